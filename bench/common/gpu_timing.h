@@ -1,0 +1,108 @@
+// GPU timing as ../shared/BENCHMARKING.md fixes it: capture `calls_per_graph` back-to-back
+// calls in one CUDA graph, replay it `replays` times with events around each replay, and
+// report the median (and spread) of replay time / calls_per_graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace sy_bench {
+
+struct Timing {
+  double median_us = 0;
+  double p10_us = 0;
+  double p90_us = 0;
+  bool ok = false;
+  std::string error;
+};
+
+inline bool cuda_ok(cudaError_t e, std::string* error) {
+  if (e == cudaSuccess) return true;
+  if (error && error->empty()) *error = cudaGetErrorString(e);
+  return false;
+}
+
+// `enqueue(stream, i)` enqueues call i (i cycles over input sets, so inputs can rotate).
+inline Timing time_in_graph(const std::function<bool(cudaStream_t, int)>& enqueue, int calls_per_graph = 20,
+                            int replays = 200) {
+  Timing t;
+  cudaStream_t stream;
+  if (!cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), &t.error)) return t;
+  // Warm up eagerly once (module load, first-touch).
+  for (int i = 0; i < 2; ++i) {
+    if (!enqueue(stream, i)) {
+      t.error = "enqueue failed during warm-up";
+      cudaStreamDestroy(stream);
+      return t;
+    }
+  }
+  cudaStreamSynchronize(stream);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool enq_ok = true;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), &t.error);
+  for (int i = 0; i < calls_per_graph; ++i) enq_ok = enqueue(stream, i) && enq_ok;
+  cuda_ok(cudaStreamEndCapture(stream, &graph), &t.error);
+  if (!enq_ok || !graph || !cuda_ok(cudaGraphInstantiate(&exec, graph, 0), &t.error)) {
+    if (t.error.empty()) t.error = "capture failed";
+    if (graph) cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    return t;
+  }
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (int i = 0; i < 3; ++i) cudaGraphLaunch(exec, stream);
+  std::vector<double> us;
+  us.reserve(replays);
+  for (int r = 0; r < replays; ++r) {
+    cudaEventRecord(start, stream);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    us.push_back(1000.0 * ms / calls_per_graph);
+  }
+  t.ok = cuda_ok(cudaGetLastError(), &t.error);
+  std::sort(us.begin(), us.end());
+  t.median_us = us[us.size() / 2];
+  t.p10_us = us[us.size() / 10];
+  t.p90_us = us[(us.size() * 9) / 10];
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return t;
+}
+
+// Device-to-device copy bandwidth in bytes/s (bytes read + written) over a 1 GiB copy.
+inline double measure_copy_bandwidth() {
+  const size_t bytes = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
+    if (a) cudaFree(a);
+    return 0;
+  }
+  cudaMemset(a, 1, bytes);
+  Timing t = time_in_graph(
+      [&](cudaStream_t s, int) { return cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s) == cudaSuccess; }, 2,
+      20);
+  cudaFree(a);
+  cudaFree(b);
+  return t.ok ? 2.0 * bytes / (t.median_us * 1e-6) : 0;
+}
+
+inline std::string device_name() {
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) return "unknown";
+  return p.name;
+}
+
+}  // namespace sy_bench

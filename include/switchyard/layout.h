@@ -1,0 +1,104 @@
+// Layout: topk_ids -> an expert-contiguous permutation with per-expert offsets and per-tile
+// metadata for grouped GEMMs. DESIGN.md section 3.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "switchyard/routing.h"
+#include "switchyard/status.h"
+#include "switchyard/tensor.h"
+
+namespace switchyard {
+
+// Which global experts this rank owns, and their local index l in [0, L).
+//   range form: local l <-> global start + l * stride, for l in [0, count);
+//   map form:   expert_map[E] (int32, on the ids' device) gives each global expert its local
+//               index or -1; an entry outside [-1, L) counts as -1 (data, not an error).
+struct LocalExperts {
+  int start = 0;
+  int count = -1;  // -1: all E experts (start must be 0 and stride 1)
+  int stride = 1;
+  TensorView expert_map;  // map form when present; then `count` is L
+
+  static LocalExperts all() { return LocalExperts{}; }
+  static LocalExperts range(int start, int count, int stride = 1) {
+    LocalExperts l;
+    l.start = start;
+    l.count = count;
+    l.stride = stride;
+    return l;
+  }
+  static LocalExperts map(const TensorView& expert_map, int num_local) {
+    LocalExperts l;
+    l.count = num_local;
+    l.expert_map = expert_map;
+    return l;
+  }
+  bool is_map() const { return !expert_map.absent(); }
+};
+
+struct LayoutConfig {
+  int num_experts = 0;  // E, global expert count, >= 1
+  LocalExperts local;   // L = local.count (or E for LocalExperts::all())
+  int tile_size = 1;    // M >= 1, any value
+
+  int num_local() const { return local.count < 0 ? num_experts : local.count; }
+};
+
+// Checks a layout configuration alone; the message names the bad field.
+Status validate(const LayoutConfig& config);
+
+// Capacity of every permuted-row array for T tokens, K picks, L local experts and tile M:
+// T*K + min(L, T*K) * (M - 1), a bound on padded_total from shapes alone.
+std::int64_t max_permuted_rows(std::int64_t num_tokens, int top_k, int num_local, int tile_size);
+// Capacity of the tile arrays: ceil(max_permuted_rows / M).
+std::int64_t max_tiles(std::int64_t num_tokens, int top_k, int num_local, int tile_size);
+
+// Index of the entries of Layout::totals.
+enum LayoutTotal : int {
+  kPaddedTotal = 0,  // offsets[L]
+  kNumTiles = 1,     // padded_total / M
+  kDropped = 2,      // ids outside [0, E) other than -1
+  kNumTotals = 3,
+};
+
+// The caller-owned output arrays of a layout, all int32 and contiguous, on one device.
+// R = max_permuted_rows(T, K, L, M), N = max_tiles(T, K, L, M); x = t*K + k.
+struct Layout {
+  TensorView counts;                // [L]   number of x routed to local expert l
+  TensorView offsets;               // [L+1] offsets[l] = sum_{j<l} pad(counts[j]); [L] = padded_total
+  TensorView permuted_to_expanded;  // [R]   x at each row; T*K on padding rows and rows >= padded_total
+  TensorView permuted_to_token;     // [R]   x / K at each row; T on padding rows and rows >= padded_total
+  TensorView expanded_to_permuted;  // [T,K] row of x, -1 when x is not placed
+  TensorView tile_expert;           // [N]   local expert of tile i; -1 for i >= num_tiles
+  TensorView tile_row_end;          // [N]   min((i+1)*M, offsets[l] + counts[l]); i*M for i >= num_tiles
+  TensorView totals;                // [kNumTotals] padded_total, num_tiles, dropped
+};
+// Inside an expert, rows are in ascending x (token order): the layout is deterministic.
+// pad(c) = ceil(c / M) * M.
+
+// Bytes of scratch memory a layout (or route_and_layout) call on `device` needs for T tokens
+// and K picks; 0 for the CPU backend. Allocate once per shape bound and reuse.
+Status layout_workspace_size(const LayoutConfig& config, std::int64_t num_tokens, int top_k,
+                             Device device, std::size_t* bytes);
+
+// layout: fills every array of `out` from topk_ids.
+//   topk_ids  [T,K] int32 or int64, contiguous. Ids outside [0,E) other than -1 are counted
+//             in totals[kDropped] and not placed; -1 and non-local experts are not placed.
+//   out       arrays as above, each at least its stated size.
+//   workspace at least layout_workspace_size bytes on the ids' device (nullptr when 0).
+// T*K must be below 2^31. On any error nothing is written.
+Status layout(const LayoutConfig& config, const TensorView& topk_ids, const Layout& out,
+              void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
+
+// route_and_layout: route (routing.h) then layout of the resulting ids, in as few launches
+// as the backend can. Same arguments and rules as the two calls; layout.num_experts must
+// equal routing.num_experts.
+Status route_and_layout(const RoutingConfig& routing, const TensorView& logits,
+                        const TensorView& bias, const TensorView& topk_ids,
+                        const TensorView& topk_weights, const LayoutConfig& layout_config,
+                        const Layout& out, void* workspace, std::size_t workspace_bytes,
+                        Stream stream = nullptr);
+
+}  // namespace switchyard

@@ -1,0 +1,86 @@
+// Shared test inputs: random logits, skewed expert ids, poison values. Header-only.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace sy_test {
+
+// Poison for int32 outputs: a value no correct output takes.
+constexpr std::int32_t kPoisonI32 = 0x5a5a5a5a;
+constexpr std::uint8_t kPoisonByte = 0xA5;
+
+inline std::mt19937_64& rng() {
+  static std::mt19937_64 gen(std::random_device{}());
+  return gen;
+}
+
+// Seed for a test: fresh each run, printed on failure via SCOPED_TRACE by the caller.
+inline std::uint64_t fresh_seed() { return rng()(); }
+
+inline std::vector<float> random_normal(std::size_t n, std::uint64_t seed, float stddev = 1.0f) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> d(0.0f, stddev);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(g);
+  return v;
+}
+
+// Logits with many exact ties: values drawn from a handful of levels.
+inline std::vector<float> random_tied(std::size_t n, std::uint64_t seed, int levels = 4) {
+  std::mt19937_64 g(seed);
+  std::uniform_int_distribution<int> d(0, levels - 1);
+  std::vector<float> v(n);
+  for (float& x : v) x = 0.25f * static_cast<float>(d(g));
+  return v;
+}
+
+enum class Skew { kUniform, kZipf, kOneHot };
+
+// Expert ids [T,K] in [0,E): distinct within a row, drawn uniformly, Zipf(1.2)-weighted, or
+// with every token on expert `hot` first (the rest distinct).
+inline std::vector<std::int64_t> random_ids(std::int64_t T, int K, int E, Skew skew, std::uint64_t seed,
+                                            int hot = 0) {
+  std::mt19937_64 g(seed);
+  std::vector<double> w(E, 1.0);
+  if (skew == Skew::kZipf)
+    for (int e = 0; e < E; ++e) w[e] = 1.0 / std::pow(static_cast<double>(e + 1), 1.2);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(T) * K);
+  std::vector<char> used(E);
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::fill(used.begin(), used.end(), 0);
+    for (int k = 0; k < K; ++k) {
+      int e;
+      if (skew == Skew::kOneHot && k == 0) {
+        e = hot;
+      } else {
+        std::discrete_distribution<int> d(w.begin(), w.end());
+        do e = d(g); while (used[e]);
+      }
+      used[e] = 1;
+      ids[t * K + k] = e;
+    }
+  }
+  return ids;
+}
+
+inline std::uint16_t bf16_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+inline float bf16_value(std::uint16_t h) {
+  std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace sy_test

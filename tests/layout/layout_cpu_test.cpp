@@ -1,3 +1,657 @@
+// CPU layout against a brute-force reference written here from DESIGN.md section 3: every
+// expected array is rebuilt from the formulas (buckets filled in ascending x, padded offsets,
+// sentinels, tiles found through the owner of their first row), never through library helpers.
 #include <gtest/gtest.h>
 
-TEST(Placeholder, PendingImplementation) { GTEST_SKIP() << "not written yet"; }
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/test_data.h"
+#include "switchyard/layout.h"
+
+namespace {
+
+using switchyard::Device;
+using switchyard::DType;
+using switchyard::Layout;
+using switchyard::LayoutConfig;
+using switchyard::LocalExperts;
+using switchyard::Status;
+using switchyard::TensorView;
+using sy_test::kPoisonI32;
+using sy_test::Skew;
+
+constexpr std::int64_t kTs[] = {0, 1, 3, 19, 111, 989, 4096};
+constexpr int kEs[] = {8, 160, 256, 384, 512, 2048};
+constexpr int kKs[] = {1, 2, 8, 10, 22, 32};
+constexpr int kMs[] = {1, 7, 64, 128, 192};
+constexpr Skew kSkews[] = {Skew::kUniform, Skew::kZipf, Skew::kOneHot};
+// Elements after each buffer's capacity that must keep their poison.
+constexpr std::int64_t kGuard = 61;
+
+enum class LocalKind { kAll, kRange, kMap };
+
+struct LayoutCase {
+  std::int64_t T = 0;
+  int E = 8;
+  int K = 1;
+  Skew skew = Skew::kUniform;
+  bool ids64 = false;
+  LocalKind local = LocalKind::kAll;
+  int start = 0;   // range form
+  int count = -1;  // range and map forms: L
+  int stride = 1;  // range form
+  int M = 1;
+  bool invalid = false;  // mix ids outside [0, E) and -1 into the picks
+};
+
+const char* skew_name(Skew s) {
+  switch (s) {
+    case Skew::kUniform:
+      return "uniform";
+    case Skew::kZipf:
+      return "zipf";
+    case Skew::kOneHot:
+      return "onehot";
+  }
+  return "?";
+}
+
+std::string describe(const LayoutCase& c) {
+  std::ostringstream os;
+  os << "T=" << c.T << " E=" << c.E << " K=" << c.K << " skew=" << skew_name(c.skew)
+     << " ids=" << (c.ids64 ? "int64" : "int32") << " local=";
+  switch (c.local) {
+    case LocalKind::kAll:
+      os << "all";
+      break;
+    case LocalKind::kRange:
+      os << "range(" << c.start << "," << c.count << "," << c.stride << ")";
+      break;
+    case LocalKind::kMap:
+      os << "map(L=" << c.count << ")";
+      break;
+  }
+  os << " M=" << c.M << " invalid=" << c.invalid;
+  return os.str();
+}
+
+// A fresh seed each run, or SY_TEST_SEED from the environment to replay a failure.
+std::uint64_t test_seed() {
+  if (const char* env = std::getenv("SY_TEST_SEED")) return std::strtoull(env, nullptr, 10);
+  return sy_test::fresh_seed();
+}
+
+int num_local(const LayoutCase& c) { return c.local == LocalKind::kAll ? c.E : c.count; }
+
+// Distinct ids per row like sy_test::random_ids, but O(1) per draw so that the big shapes
+// (T=4096, K=32, E=2048) stay fast; random_ids builds a distribution over E per draw.
+std::vector<std::int64_t> fast_random_ids(std::int64_t T, int K, int E, Skew skew, std::uint64_t seed,
+                                          int hot) {
+  std::mt19937_64 g(seed);
+  std::vector<double> cdf(E);
+  double sum = 0;
+  for (int e = 0; e < E; ++e) {
+    sum += skew == Skew::kZipf ? 1.0 / std::pow(e + 1.0, 1.2) : 1.0;
+    cdf[e] = sum;
+  }
+  std::uniform_real_distribution<double> u(0.0, sum);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(T * K));
+  std::vector<char> used(E, 0);
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      int e;
+      if (skew == Skew::kOneHot && k == 0) {
+        e = hot;
+      } else {
+        do {
+          e = static_cast<int>(std::upper_bound(cdf.begin(), cdf.end(), u(g)) - cdf.begin());
+          e = std::min(e, E - 1);
+        } while (used[e]);
+      }
+      used[e] = 1;
+      ids[t * K + k] = e;
+    }
+    for (int k = 0; k < K; ++k) used[ids[t * K + k]] = 0;
+  }
+  return ids;
+}
+
+struct LayoutInputs {
+  std::vector<std::int64_t> ids;  // values; handed to the library as int32 or int64
+  std::vector<std::int32_t> ids32;
+  std::vector<std::int32_t> expert_map;  // map form only
+};
+
+// Builds the ids (and the expert map) for a case.
+LayoutInputs make_inputs(const LayoutCase& c, std::uint64_t seed) {
+  LayoutInputs in;
+  std::mt19937_64 g(seed ^ 0x9e3779b97f4a7c15ull);
+  if (c.local == LocalKind::kMap) {
+    // An injective map onto a random subset of [0, L), the rest -1 or junk that counts as -1.
+    const int L = c.count;
+    std::vector<int> perm(c.E);
+    for (int e = 0; e < c.E; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), g);
+    const std::int32_t junk[] = {-1,
+                                 -2,
+                                 -1000,
+                                 L,
+                                 L + 5,
+                                 std::numeric_limits<std::int32_t>::min(),
+                                 std::numeric_limits<std::int32_t>::max()};
+    in.expert_map.assign(c.E, -1);
+    for (int e = 0; e < c.E; ++e) in.expert_map[e] = junk[g() % 7];
+    // About 1 in 8 of the L local slots stays without a global expert.
+    int placed = 0;
+    for (int l = 0; l < L && placed < c.E; ++l) {
+      if (g() % 8 == 0) continue;
+      in.expert_map[perm[placed++]] = l;
+    }
+  }
+  // The hot expert of one-hot routing is a local one whenever there is one.
+  int hot = 0;
+  if (c.local == LocalKind::kRange && c.count > 0) hot = c.start + static_cast<int>(g() % c.count) * c.stride;
+  if (c.local == LocalKind::kMap) {
+    for (int e = 0; e < c.E; ++e) {
+      if (in.expert_map[e] >= 0 && in.expert_map[e] < c.count) {
+        hot = e;
+        break;
+      }
+    }
+  }
+  const double work = static_cast<double>(c.T) * c.K * c.E;
+  in.ids = work <= 2e6 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
+                       : fast_random_ids(c.T, c.K, c.E, c.skew, seed, hot);
+  if (c.invalid) {
+    std::vector<std::int64_t> bad = {-1,
+                                     -1,
+                                     -1,
+                                     -2,
+                                     c.E,
+                                     c.E + 1,
+                                     -1000000,
+                                     std::numeric_limits<std::int32_t>::min(),
+                                     std::numeric_limits<std::int32_t>::max()};
+    if (c.ids64) {
+      // Ids whose low 32 bits are a valid expert: a backend that truncates would place them.
+      bad.push_back((std::int64_t{1} << 32) + 3);
+      bad.push_back(static_cast<std::int64_t>(0xffffffff00000001ull));
+      bad.push_back(std::numeric_limits<std::int64_t>::min());
+      bad.push_back(std::numeric_limits<std::int64_t>::max());
+      bad.push_back(-(std::int64_t{1} << 40));
+    }
+    for (std::int64_t& id : in.ids) {
+      if (g() % 16 == 0) id = bad[g() % bad.size()];
+    }
+  }
+  if (!c.ids64) in.ids32.assign(in.ids.begin(), in.ids.end());
+  return in;
+}
+
+// Everything a layout must produce, from the DESIGN.md formulas.
+struct Expected {
+  std::int64_t rows = 0;   // capacity R
+  std::int64_t tiles = 0;  // capacity N
+  std::vector<std::int32_t> counts, offsets, permuted_to_expanded, permuted_to_token, expanded_to_permuted,
+      tile_expert, tile_row_end, totals;
+};
+
+Expected reference(const LayoutCase& c, const LayoutInputs& in) {
+  const std::int64_t T = c.T;
+  const std::int64_t K = c.K;
+  const std::int64_t TK = T * K;
+  const std::int64_t M = c.M;
+  const int L = num_local(c);
+  // Local index of each global expert, by searching the local set for it.
+  std::vector<int> local_of(c.E, -1);
+  for (int e = 0; e < c.E; ++e) {
+    if (c.local == LocalKind::kMap) {
+      const std::int32_t v = in.expert_map[e];
+      local_of[e] = (v >= 0 && v < L) ? v : -1;
+    } else {
+      const int start = c.local == LocalKind::kAll ? 0 : c.start;
+      const int stride = c.local == LocalKind::kAll ? 1 : c.stride;
+      for (int l = 0; l < L; ++l) {
+        if (static_cast<std::int64_t>(start) + static_cast<std::int64_t>(l) * stride == e) {
+          local_of[e] = l;
+          break;
+        }
+      }
+    }
+  }
+  std::vector<std::vector<std::int64_t>> bucket(L);
+  std::int64_t dropped = 0;
+  for (std::int64_t x = 0; x < TK; ++x) {
+    const std::int64_t id = in.ids[x];
+    if (id == -1) continue;
+    if (id < 0 || id >= c.E) {
+      ++dropped;
+      continue;
+    }
+    if (local_of[id] >= 0) bucket[local_of[id]].push_back(x);  // ascending x by construction
+  }
+  Expected want;
+  // Capacity from the header's formula; nothing can be placed without picks or local experts.
+  want.rows = (TK == 0 || L == 0) ? 0 : TK + std::min<std::int64_t>(L, TK) * (M - 1);
+  want.tiles = (want.rows + M - 1) / M;
+  want.counts.assign(L, 0);
+  want.offsets.assign(L + 1, 0);
+  std::int64_t row = 0;
+  for (int l = 0; l < L; ++l) {
+    want.counts[l] = static_cast<std::int32_t>(bucket[l].size());
+    want.offsets[l] = static_cast<std::int32_t>(row);
+    row += (static_cast<std::int64_t>(bucket[l].size()) + M - 1) / M * M;
+  }
+  want.offsets[L] = static_cast<std::int32_t>(row);
+  const std::int64_t padded_total = row;
+  want.permuted_to_expanded.assign(want.rows, static_cast<std::int32_t>(TK));
+  want.permuted_to_token.assign(want.rows, static_cast<std::int32_t>(T));
+  want.expanded_to_permuted.assign(TK, -1);
+  std::vector<int> row_owner(padded_total, -1);
+  for (int l = 0; l < L; ++l) {
+    for (std::int64_t p = want.offsets[l]; p < want.offsets[l + 1]; ++p) row_owner[p] = l;
+    for (std::size_t r = 0; r < bucket[l].size(); ++r) {
+      const std::int64_t p = want.offsets[l] + static_cast<std::int64_t>(r);
+      const std::int64_t x = bucket[l][r];
+      want.permuted_to_expanded[p] = static_cast<std::int32_t>(x);
+      want.permuted_to_token[p] = static_cast<std::int32_t>(x / K);
+      want.expanded_to_permuted[x] = static_cast<std::int32_t>(p);
+    }
+  }
+  const std::int64_t num_tiles = padded_total / M;
+  want.tile_expert.resize(want.tiles);
+  want.tile_row_end.resize(want.tiles);
+  for (std::int64_t i = 0; i < want.tiles; ++i) {
+    if (i < num_tiles) {
+      const int l = row_owner[i * M];
+      want.tile_expert[i] = l;
+      want.tile_row_end[i] =
+          static_cast<std::int32_t>(std::min<std::int64_t>((i + 1) * M, want.offsets[l] + want.counts[l]));
+    } else {
+      want.tile_expert[i] = -1;
+      want.tile_row_end[i] = static_cast<std::int32_t>(i * M);
+    }
+  }
+  want.totals = {static_cast<std::int32_t>(padded_total), static_cast<std::int32_t>(num_tiles),
+                 static_cast<std::int32_t>(dropped)};
+  return want;
+}
+
+// Caller-owned output buffers: each array holds its capacity plus a poisoned guard zone; the
+// views the library sees are `view_extra` elements longer than the capacity (buffers sized
+// for a larger shape and reused).
+struct LayoutBuffers {
+  std::vector<std::int32_t> counts, offsets, permuted_to_expanded, permuted_to_token, expanded_to_permuted,
+      tile_expert, tile_row_end, totals;
+  std::int64_t T = 0, K = 0;
+
+  LayoutBuffers(std::int64_t T_, int K_, int L, std::int64_t rows, std::int64_t tiles) : T(T_), K(K_) {
+    auto alloc = [](std::vector<std::int32_t>& v, std::int64_t n) { v.assign(n + kGuard, kPoisonI32); };
+    alloc(counts, L);
+    alloc(offsets, L + 1);
+    alloc(permuted_to_expanded, rows);
+    alloc(permuted_to_token, rows);
+    alloc(expanded_to_permuted, T * K);
+    alloc(tile_expert, tiles);
+    alloc(tile_row_end, tiles);
+    alloc(totals, switchyard::kNumTotals);
+  }
+
+  void poison() {
+    for (auto* v : {&counts, &offsets, &permuted_to_expanded, &permuted_to_token, &expanded_to_permuted,
+                    &tile_expert, &tile_row_end, &totals}) {
+      std::fill(v->begin(), v->end(), kPoisonI32);
+    }
+  }
+
+  Layout views(std::int64_t view_extra) const {
+    auto v1 = [&](const std::vector<std::int32_t>& v) {
+      const std::int64_t n = static_cast<std::int64_t>(v.size()) - kGuard + view_extra;
+      return TensorView::of(v.data(), DType::kInt32, {n}, Device::cpu());
+    };
+    Layout out;
+    out.counts = v1(counts);
+    out.offsets = v1(offsets);
+    out.permuted_to_expanded = v1(permuted_to_expanded);
+    out.permuted_to_token = v1(permuted_to_token);
+    out.expanded_to_permuted =
+        TensorView::of(expanded_to_permuted.data(), DType::kInt32, {T, K}, Device::cpu());
+    out.tile_expert = v1(tile_expert);
+    out.tile_row_end = v1(tile_row_end);
+    out.totals = v1(totals);
+    return out;
+  }
+};
+
+// Every element below `capacity` equals the reference (so none kept its poison) and every
+// element from `capacity` on kept its poison. Reports the first mismatch only.
+void expect_array(const char* name, const std::vector<std::int32_t>& got,
+                  const std::vector<std::int32_t>& want) {
+  const std::size_t capacity = want.size();
+  ASSERT_GE(got.size(), capacity) << name;
+  for (std::size_t i = 0; i < capacity; ++i) {
+    if (got[i] != want[i]) {
+      ADD_FAILURE() << name << "[" << i << "] = " << got[i]
+                    << (got[i] == kPoisonI32 ? " (poison: never written)" : "") << ", expected " << want[i]
+                    << " (capacity " << capacity << ")";
+      return;
+    }
+  }
+  for (std::size_t i = capacity; i < got.size(); ++i) {
+    if (got[i] != kPoisonI32) {
+      ADD_FAILURE() << name << "[" << i << "] = " << got[i] << " written past the capacity " << capacity;
+      return;
+    }
+  }
+}
+
+LayoutConfig make_config(const LayoutCase& c, const LayoutInputs& in) {
+  LayoutConfig config;
+  config.num_experts = c.E;
+  config.tile_size = c.M;
+  switch (c.local) {
+    case LocalKind::kAll:
+      config.local = LocalExperts::all();
+      break;
+    case LocalKind::kRange:
+      config.local = LocalExperts::range(c.start, c.count, c.stride);
+      break;
+    case LocalKind::kMap:
+      config.local = LocalExperts::map(
+          TensorView::of(in.expert_map.data(), DType::kInt32, {c.E}, Device::cpu()), c.count);
+      break;
+  }
+  return config;
+}
+
+TensorView ids_view(const LayoutCase& c, const LayoutInputs& in) {
+  if (c.ids64) return TensorView::of(in.ids.data(), DType::kInt64, {c.T, c.K}, Device::cpu());
+  return TensorView::of(in.ids32.data(), DType::kInt32, {c.T, c.K}, Device::cpu());
+}
+
+Status run_layout(const LayoutCase& c, const LayoutInputs& in, LayoutBuffers& buf,
+                  std::int64_t view_extra = 0) {
+  return switchyard::layout(make_config(c, in), ids_view(c, in), buf.views(view_extra), nullptr, 0);
+}
+
+// Runs one case end to end and compares every array with the reference.
+void check_case(const LayoutCase& c, std::uint64_t seed, std::int64_t view_extra = 0) {
+  SCOPED_TRACE(describe(c));
+  const LayoutInputs in = make_inputs(c, seed);
+  const Expected want = reference(c, in);
+  const int L = num_local(c);
+  if (L > 0) {
+    ASSERT_EQ(switchyard::max_permuted_rows(c.T, c.K, L, c.M), want.rows);
+    ASSERT_EQ(switchyard::max_tiles(c.T, c.K, L, c.M), want.tiles);
+  }
+  LayoutBuffers buf(c.T, c.K, L, want.rows, want.tiles);
+  const Status s = run_layout(c, in, buf, view_extra);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  expect_array("counts", buf.counts, want.counts);
+  expect_array("offsets", buf.offsets, want.offsets);
+  expect_array("permuted_to_expanded", buf.permuted_to_expanded, want.permuted_to_expanded);
+  expect_array("permuted_to_token", buf.permuted_to_token, want.permuted_to_token);
+  expect_array("expanded_to_permuted", buf.expanded_to_permuted, want.expanded_to_permuted);
+  expect_array("tile_expert", buf.tile_expert, want.tile_expert);
+  expect_array("tile_row_end", buf.tile_row_end, want.tile_row_end);
+  expect_array("totals", buf.totals, want.totals);
+}
+
+// Fills in a random range or map for a case whose `local` kind is set.
+void pick_local(LayoutCase& c, std::mt19937_64& g, int stride) {
+  if (c.local == LocalKind::kRange) {
+    c.stride = stride;
+    c.start = static_cast<int>(g() % static_cast<std::uint64_t>(std::max(1, c.E / 2)));
+    const int max_count = (c.E - 1 - c.start) / c.stride + 1;
+    c.count = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(max_count));
+  } else if (c.local == LocalKind::kMap) {
+    c.count = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(c.E));
+  }
+}
+
+// The largest K of the list that does not exceed E, starting from index `i`.
+int k_at_most_e(std::size_t i, int E) {
+  for (std::size_t j = 0; j < std::size(kKs); ++j) {
+    const int K = kKs[(i + std::size(kKs) - j) % std::size(kKs)];
+    if (K <= E) return K;
+  }
+  return 1;
+}
+
+TEST(LayoutCpu, SweepMatchesBruteForce) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  // Every listed value of every axis appears at every T; the axes rotate at co-prime periods
+  // so that the 30 cases per T pair values differently, and 20 more cases per T are drawn at
+  // random from the whole cross product.
+  constexpr int kFixed = 30;
+  constexpr int kRandom = 20;
+  for (const std::int64_t T : kTs) {
+    for (int i = 0; i < kFixed + kRandom; ++i) {
+      LayoutCase c;
+      c.T = T;
+      int stride = 1;
+      if (i < kFixed) {
+        c.E = kEs[i % 6];
+        c.K = k_at_most_e(static_cast<std::size_t>(i + i / 6), c.E);
+        c.M = kMs[i % 5];
+        c.local = static_cast<LocalKind>(i % 3);
+        stride = (i / 3) % 2 == 0 ? 1 : 3;
+        c.skew = kSkews[(i / 2) % 3];
+        c.ids64 = (i / 5) % 2 == 1;
+        c.invalid = i % 4 == 1;
+      } else {
+        c.E = kEs[g() % 6];
+        c.K = k_at_most_e(g() % 6, c.E);
+        c.M = kMs[g() % 5];
+        c.local = static_cast<LocalKind>(g() % 3);
+        stride = g() % 2 == 0 ? 1 : 3;
+        c.skew = kSkews[g() % 3];
+        c.ids64 = g() % 2 == 1;
+        c.invalid = g() % 2 == 1;
+      }
+      pick_local(c, g, stride);
+      check_case(c, g());
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Every tile size against every local-expert form on mid-sized, skewed inputs.
+TEST(LayoutCpu, TileSizesAndLocalForms) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const int M : kMs) {
+    for (int form = 0; form < 4; ++form) {
+      LayoutCase c;
+      c.T = 989;
+      c.E = 256;
+      c.K = 8;
+      c.M = M;
+      c.skew = kSkews[g() % 3];
+      c.invalid = true;
+      c.ids64 = form % 2 == 1;
+      c.local = form == 0 ? LocalKind::kAll : form == 3 ? LocalKind::kMap : LocalKind::kRange;
+      pick_local(c, g, form == 1 ? 1 : 3);
+      check_case(c, g());
+    }
+  }
+}
+
+// A small case with the expected arrays written out by hand.
+TEST(LayoutCpu, HandWorkedExample) {
+  // T=3, K=2, E=4, all local, M=2; ids row by row: {2,0}, {2,-1}, {9,2}.
+  // Expert 0: x=1. Expert 2: x=0,2,5. Experts 1,3 empty. 9 is dropped, -1 is not counted.
+  const std::vector<std::int32_t> ids = {2, 0, 2, -1, 9, 2};
+  LayoutConfig config;
+  config.num_experts = 4;
+  config.tile_size = 2;
+  // R = 6 + min(4,6)*1 = 10, N = 5.
+  LayoutBuffers buf(3, 2, 4, 10, 5);
+  const Status s = switchyard::layout(
+      config, TensorView::of(ids.data(), DType::kInt32, {3, 2}, Device::cpu()), buf.views(0), nullptr, 0);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  expect_array("counts", buf.counts, {1, 0, 3, 0});
+  expect_array("offsets", buf.offsets, {0, 2, 2, 6, 6});
+  expect_array("permuted_to_expanded", buf.permuted_to_expanded, {1, 6, 0, 2, 5, 6, 6, 6, 6, 6});
+  expect_array("permuted_to_token", buf.permuted_to_token, {0, 3, 0, 1, 2, 3, 3, 3, 3, 3});
+  expect_array("expanded_to_permuted", buf.expanded_to_permuted, {2, 0, 3, -1, -1, 4});
+  expect_array("tile_expert", buf.tile_expert, {0, 2, 2, -1, -1});
+  expect_array("tile_row_end", buf.tile_row_end, {1, 4, 5, 6, 8});
+  expect_array("totals", buf.totals, {6, 3, 1});
+}
+
+TEST(LayoutCpu, InvalidIdsAreDroppedAndCounted) {
+  // int32: -1 is neither placed nor counted; every other id outside [0, E) is counted.
+  {
+    const std::vector<std::int32_t> ids = {-1, 8,   3, std::numeric_limits<std::int32_t>::min(), 7,
+                                           -2, 100, 0, std::numeric_limits<std::int32_t>::max(), -1};
+    LayoutConfig config;
+    config.num_experts = 8;
+    config.tile_size = 1;
+    LayoutBuffers buf(5, 2, 8, 10, 10);
+    ASSERT_TRUE(switchyard::layout(config, TensorView::of(ids.data(), DType::kInt32, {5, 2}, Device::cpu()),
+                                   buf.views(0), nullptr, 0)
+                    .ok());
+    EXPECT_EQ(buf.totals[switchyard::kDropped], 5);
+    EXPECT_EQ(buf.totals[switchyard::kPaddedTotal], 3);
+    expect_array("expanded_to_permuted", buf.expanded_to_permuted, {-1, -1, 1, -1, 2, -1, -1, 0, -1, -1});
+  }
+  // int64 ids whose low 32 bits name a valid expert are still out of range.
+  {
+    const std::vector<std::int64_t> ids = {(std::int64_t{1} << 32) + 3,
+                                           3,
+                                           -(std::int64_t{1} << 40),
+                                           std::numeric_limits<std::int64_t>::min(),
+                                           std::numeric_limits<std::int64_t>::max(),
+                                           -1};
+    LayoutConfig config;
+    config.num_experts = 8;
+    config.tile_size = 7;
+    // R = 6 + 6*6 = 42, N = 6.
+    LayoutBuffers buf(3, 2, 8, 42, 6);
+    ASSERT_TRUE(switchyard::layout(config, TensorView::of(ids.data(), DType::kInt64, {3, 2}, Device::cpu()),
+                                   buf.views(0), nullptr, 0)
+                    .ok());
+    expect_array("totals", buf.totals, {7, 1, 4});
+    expect_array("expanded_to_permuted", buf.expanded_to_permuted, {-1, 0, -1, -1, -1, -1});
+  }
+  // Random sweep with many invalid ids, both dtypes, all local forms.
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (int i = 0; i < 12; ++i) {
+    LayoutCase c;
+    c.T = kTs[1 + g() % 5];
+    c.E = kEs[g() % 6];
+    c.K = k_at_most_e(g() % 6, c.E);
+    c.M = kMs[g() % 5];
+    c.ids64 = i % 2 == 1;
+    c.local = static_cast<LocalKind>(i % 3);
+    c.invalid = true;
+    pick_local(c, g, i % 4 < 2 ? 1 : 3);
+    check_case(c, g());
+  }
+}
+
+// L = 0 (an empty range or map): nothing is placed, every pick reads -1.
+TEST(LayoutCpu, NoLocalExperts) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const LocalKind kind : {LocalKind::kRange, LocalKind::kMap}) {
+    LayoutCase c;
+    c.T = 19;
+    c.E = 160;
+    c.K = 8;
+    c.M = 7;
+    c.local = kind;
+    c.count = 0;
+    c.invalid = true;
+    check_case(c, seed);
+  }
+}
+
+TEST(LayoutCpu, ZeroTokens) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const LocalKind kind : {LocalKind::kAll, LocalKind::kRange, LocalKind::kMap}) {
+    for (const bool ids64 : {false, true}) {
+      LayoutCase c;
+      c.T = 0;
+      c.E = 384;
+      c.K = 10;
+      c.M = 128;
+      c.local = kind;
+      c.ids64 = ids64;
+      pick_local(c, g, 3);
+      check_case(c, g());
+    }
+  }
+}
+
+// Views longer than the capacity (buffers allocated once for a larger shape): only the
+// capacity max_permuted_rows / max_tiles of the actual shape is written.
+TEST(LayoutCpu, OversizedBuffersWrittenOnlyToCapacity) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const std::int64_t T : {std::int64_t{0}, std::int64_t{3}, std::int64_t{111}}) {
+    LayoutCase c;
+    c.T = T;
+    c.E = 512;
+    c.K = 22;
+    c.M = 192;
+    c.local = LocalKind::kRange;
+    pick_local(c, g, 1);
+    check_case(c, g(), /*view_extra=*/kGuard);
+  }
+}
+
+// The same input twice gives the same bytes, on a shape large enough to be split over threads.
+TEST(LayoutCpu, Deterministic) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  LayoutCase c;
+  c.T = 4096;
+  c.E = 256;
+  c.K = 32;
+  c.M = 64;
+  c.skew = Skew::kZipf;
+  c.invalid = true;
+  const LayoutInputs in = make_inputs(c, seed);
+  const std::int64_t rows = switchyard::max_permuted_rows(c.T, c.K, c.E, c.M);
+  const std::int64_t tiles = switchyard::max_tiles(c.T, c.K, c.E, c.M);
+  LayoutBuffers a(c.T, c.K, c.E, rows, tiles);
+  LayoutBuffers b(c.T, c.K, c.E, rows, tiles);
+  ASSERT_TRUE(run_layout(c, in, a).ok());
+  ASSERT_TRUE(run_layout(c, in, b).ok());
+  EXPECT_EQ(a.counts, b.counts);
+  EXPECT_EQ(a.offsets, b.offsets);
+  EXPECT_EQ(a.permuted_to_expanded, b.permuted_to_expanded);
+  EXPECT_EQ(a.permuted_to_token, b.permuted_to_token);
+  EXPECT_EQ(a.expanded_to_permuted, b.expanded_to_permuted);
+  EXPECT_EQ(a.tile_expert, b.tile_expert);
+  EXPECT_EQ(a.tile_row_end, b.tile_row_end);
+  EXPECT_EQ(a.totals, b.totals);
+  // Rerunning into the same, now dirty, buffers gives the same bytes again.
+  LayoutBuffers first = a;
+  a.poison();
+  ASSERT_TRUE(run_layout(c, in, a).ok());
+  EXPECT_EQ(a.permuted_to_expanded, first.permuted_to_expanded);
+  EXPECT_EQ(a.tile_row_end, first.tile_row_end);
+}
+
+}  // namespace

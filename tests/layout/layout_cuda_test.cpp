@@ -1,3 +1,770 @@
+// CUDA layout and route_and_layout against the CPU backend (the oracle): every output array must
+// be byte-identical over its full capacity, every device output is poisoned before each run, and
+// a poisoned guard zone after each array's capacity must stay untouched.
+//
+// Replay a failure with SY_TEST_SEED=<seed printed in the trace>.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-TEST(Placeholder, PendingImplementation) { GTEST_SKIP() << "not written yet"; }
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/cuda_test_util.h"
+#include "common/test_data.h"
+#include "switchyard/layout.h"
+#include "switchyard/routing.h"
+
+namespace {
+
+using switchyard::Device;
+using switchyard::DType;
+using switchyard::Layout;
+using switchyard::LayoutConfig;
+using switchyard::LocalExperts;
+using switchyard::Status;
+using switchyard::TensorView;
+using sy_test::DeviceBuffer;
+using sy_test::Skew;
+
+constexpr std::int64_t kTs[] = {0, 1, 3, 19, 111, 989, 4096, 65536, 262144};
+constexpr int kEs[] = {8, 160, 256, 384, 512, 2048, 4096};
+constexpr int kKs[] = {1, 2, 8, 10, 22, 32};
+constexpr int kMs[] = {1, 7, 64, 128, 192};
+constexpr Skew kSkews[] = {Skew::kUniform, Skew::kZipf, Skew::kOneHot};
+// int32 elements after each array's capacity that must keep their poison.
+constexpr std::int64_t kGuard = 67;
+constexpr std::int32_t kPoison = static_cast<std::int32_t>(0xA5A5A5A5u);  // cudaMemset byte 0xA5
+
+std::uint64_t test_seed() {
+  if (const char* env = std::getenv("SY_TEST_SEED")) return std::strtoull(env, nullptr, 10);
+  return sy_test::fresh_seed();
+}
+
+const char* skew_name(Skew s) {
+  switch (s) {
+    case Skew::kUniform:
+      return "uniform";
+    case Skew::kZipf:
+      return "zipf";
+    case Skew::kOneHot:
+      return "onehot";
+  }
+  return "?";
+}
+
+enum class LocalKind { kAll, kRange, kMap };
+
+struct Case {
+  std::int64_t T = 0;
+  int E = 8;
+  int K = 1;
+  int M = 1;
+  Skew skew = Skew::kUniform;
+  bool ids64 = false;
+  LocalKind local = LocalKind::kAll;
+  int start = 0;         // range form
+  int count = -1;        // range / map form: L
+  int stride = 1;        // range form
+  bool invalid = false;  // mix -1 and ids outside [0, E) into the picks
+};
+
+std::string describe(const Case& c) {
+  std::ostringstream os;
+  os << "T=" << c.T << " E=" << c.E << " K=" << c.K << " M=" << c.M << " skew=" << skew_name(c.skew)
+     << " ids=" << (c.ids64 ? "int64" : "int32") << " local=";
+  switch (c.local) {
+    case LocalKind::kAll:
+      os << "all";
+      break;
+    case LocalKind::kRange:
+      os << "range(start=" << c.start << ",count=" << c.count << ",stride=" << c.stride << ")";
+      break;
+    case LocalKind::kMap:
+      os << "map(L=" << c.count << ")";
+      break;
+  }
+  os << " invalid=" << c.invalid;
+  return os.str();
+}
+
+int num_local(const Case& c) { return c.local == LocalKind::kAll ? c.E : c.count; }
+
+// Distinct ids per row with the distributions of sy_test::random_ids, O(log E) per draw:
+// random_ids builds a distribution over E experts per draw, too slow for millions of picks.
+std::vector<std::int64_t> fast_ids(std::int64_t T, int K, int E, Skew skew, std::uint64_t seed, int hot) {
+  std::mt19937_64 g(seed);
+  std::vector<double> cdf(E);
+  double sum = 0;
+  for (int e = 0; e < E; ++e) {
+    sum += skew == Skew::kZipf ? 1.0 / std::pow(e + 1.0, 1.2) : 1.0;
+    cdf[e] = sum;
+  }
+  std::uniform_real_distribution<double> u(0.0, sum);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(T * K));
+  std::vector<char> used(E, 0);
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      int e = hot;
+      if (!(skew == Skew::kOneHot && k == 0)) {
+        do {
+          e = std::min<int>(E - 1,
+                            static_cast<int>(std::upper_bound(cdf.begin(), cdf.end(), u(g)) - cdf.begin()));
+        } while (used[e]);
+      }
+      used[e] = 1;
+      ids[t * K + k] = e;
+    }
+    for (int k = 0; k < K; ++k) used[ids[t * K + k]] = 0;
+  }
+  return ids;
+}
+
+struct Inputs {
+  std::vector<std::int64_t> ids;  // values; handed over as int32 or int64
+  std::vector<std::int32_t> ids32;
+  std::vector<std::int32_t> expert_map;  // map form
+};
+
+Inputs make_inputs(const Case& c, std::uint64_t seed) {
+  Inputs in;
+  std::mt19937_64 g(seed ^ 0x5bd1e995ull);
+  if (c.local == LocalKind::kMap) {
+    // Injective onto a random subset of [0, L); the other entries -1 or junk that counts as -1.
+    const int L = c.count;
+    std::vector<int> perm(c.E);
+    for (int e = 0; e < c.E; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), g);
+    const std::int32_t junk[] = {-1,
+                                 -1,
+                                 -7,
+                                 L,
+                                 L + 3,
+                                 std::numeric_limits<std::int32_t>::min(),
+                                 std::numeric_limits<std::int32_t>::max()};
+    in.expert_map.resize(c.E);
+    for (int e = 0; e < c.E; ++e) in.expert_map[e] = junk[g() % 7];
+    int placed = 0;
+    for (int l = 0; l < L && placed < c.E; ++l) {
+      if (g() % 8 == 0) continue;  // some local experts have no global expert
+      in.expert_map[perm[placed++]] = l;
+    }
+  }
+  // One-hot routing sends every token to a local expert when there is one.
+  int hot = static_cast<int>(g() % static_cast<std::uint64_t>(c.E));
+  if (c.local == LocalKind::kRange && c.count > 0) hot = c.start + static_cast<int>(g() % c.count) * c.stride;
+  if (c.local == LocalKind::kMap) {
+    for (int e = 0; e < c.E; ++e) {
+      if (in.expert_map[e] >= 0 && in.expert_map[e] < c.count) {
+        hot = e;
+        break;
+      }
+    }
+  }
+  in.ids = static_cast<double>(c.T) * c.K * c.E <= 2e6 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
+                                                       : fast_ids(c.T, c.K, c.E, c.skew, seed, hot);
+  if (c.invalid) {
+    std::vector<std::int64_t> bad = {-1,
+                                     -1,
+                                     -1,
+                                     -2,
+                                     c.E,
+                                     c.E + 1,
+                                     -1000000,
+                                     std::numeric_limits<std::int32_t>::min(),
+                                     std::numeric_limits<std::int32_t>::max()};
+    if (c.ids64) {
+      // Low 32 bits name a valid expert: a kernel that truncates to int32 would place them.
+      bad.push_back((std::int64_t{1} << 32) + 1);
+      bad.push_back(static_cast<std::int64_t>(0xffffffff00000000ull));
+      bad.push_back(std::numeric_limits<std::int64_t>::min());
+      bad.push_back(std::numeric_limits<std::int64_t>::max());
+    }
+    const std::uint64_t rate = 4 + g() % 29;  // 1 in 4 .. 1 in 32
+    for (std::int64_t& id : in.ids) {
+      if (g() % rate == 0) id = bad[g() % bad.size()];
+    }
+  }
+  if (!c.ids64) in.ids32.assign(in.ids.begin(), in.ids.end());
+  return in;
+}
+
+LayoutConfig make_config(const Case& c, const void* expert_map, Device device) {
+  LayoutConfig config;
+  config.num_experts = c.E;
+  config.tile_size = c.M;
+  switch (c.local) {
+    case LocalKind::kAll:
+      config.local = LocalExperts::all();
+      break;
+    case LocalKind::kRange:
+      config.local = LocalExperts::range(c.start, c.count, c.stride);
+      break;
+    case LocalKind::kMap:
+      config.local = LocalExperts::map(TensorView::of(expert_map, DType::kInt32, {c.E}, device), c.count);
+      break;
+  }
+  return config;
+}
+
+// Array names in Layout order.
+constexpr const char* kArrayNames[] = {"counts",
+                                       "offsets",
+                                       "permuted_to_expanded",
+                                       "permuted_to_token",
+                                       "expanded_to_permuted",
+                                       "tile_expert",
+                                       "tile_row_end",
+                                       "totals"};
+constexpr int kNumArrays = 8;
+
+// Element counts of the eight arrays for a shape.
+struct Sizes {
+  std::int64_t n[kNumArrays] = {};
+  std::int64_t T = 0;
+  int K = 1;
+  Sizes(std::int64_t T_, int K_, int L, int M) : T(T_), K(K_) {
+    const std::int64_t rows = switchyard::max_permuted_rows(T, K, L, M);
+    const std::int64_t tiles = switchyard::max_tiles(T, K, L, M);
+    const std::int64_t v[kNumArrays] = {L, L + 1, rows, rows, T * K, tiles, tiles, switchyard::kNumTotals};
+    std::copy(v, v + kNumArrays, n);
+  }
+};
+
+Layout layout_views(const Sizes& s, std::int32_t* const (&ptr)[kNumArrays], Device device) {
+  auto v1 = [&](int i) { return TensorView::of(ptr[i], DType::kInt32, {s.n[i]}, device); };
+  Layout out;
+  out.counts = v1(0);
+  out.offsets = v1(1);
+  out.permuted_to_expanded = v1(2);
+  out.permuted_to_token = v1(3);
+  out.expanded_to_permuted = TensorView::of(ptr[4], DType::kInt32, {s.T, s.K}, device);
+  out.tile_expert = v1(5);
+  out.tile_row_end = v1(6);
+  out.totals = v1(7);
+  return out;
+}
+
+// Host outputs of the CPU backend.
+struct HostLayout {
+  Sizes sizes;
+  std::vector<std::int32_t> a[kNumArrays];
+  explicit HostLayout(const Sizes& s) : sizes(s) {
+    for (int i = 0; i < kNumArrays; ++i) a[i].assign(static_cast<std::size_t>(s.n[i]), sy_test::kPoisonI32);
+  }
+  Layout views() {
+    std::int32_t* const p[kNumArrays] = {a[0].data(), a[1].data(), a[2].data(), a[3].data(),
+                                         a[4].data(), a[5].data(), a[6].data(), a[7].data()};
+    return layout_views(sizes, p, Device::cpu());
+  }
+};
+
+// Device outputs, each with a guard zone after its capacity.
+struct DeviceLayout {
+  Sizes sizes;
+  DeviceBuffer b[kNumArrays];
+  explicit DeviceLayout(const Sizes& s) : sizes(s) {
+    for (int i = 0; i < kNumArrays; ++i) b[i] = DeviceBuffer(static_cast<std::size_t>(s.n[i] + kGuard) * 4);
+  }
+  void poison() {
+    for (auto& buf : b) sy_test::poison(buf);
+  }
+  Layout views() const {
+    std::int32_t* const p[kNumArrays] = {
+        b[0].as<std::int32_t>(), b[1].as<std::int32_t>(), b[2].as<std::int32_t>(), b[3].as<std::int32_t>(),
+        b[4].as<std::int32_t>(), b[5].as<std::int32_t>(), b[6].as<std::int32_t>(), b[7].as<std::int32_t>()};
+    return layout_views(sizes, p, Device::cuda());
+  }
+  std::vector<std::int32_t> fetch(int i) const {
+    return sy_test::to_host<std::int32_t>(b[i], static_cast<std::size_t>(sizes.n[i] + kGuard));
+  }
+};
+
+// The device array (with its guard) equals the CPU array, and the guard kept its poison.
+void expect_same(const char* name, const std::vector<std::int32_t>& cpu,
+                 const std::vector<std::int32_t>& gpu) {
+  const std::size_t n = cpu.size();
+  ASSERT_EQ(gpu.size(), n + kGuard) << name;
+  if (std::memcmp(cpu.data(), gpu.data(), n * 4) != 0) {
+    std::size_t bad = 0;
+    std::size_t first = n;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (cpu[i] != gpu[i]) {
+        ++bad;
+        if (first == n) first = i;
+      }
+    }
+    ADD_FAILURE() << name << ": " << bad << " of " << n << " elements differ; first at [" << first
+                  << "]: gpu " << gpu[first] << (gpu[first] == kPoison ? " (poison: never written)" : "")
+                  << ", cpu " << cpu[first];
+    return;
+  }
+  for (std::size_t i = n; i < n + kGuard; ++i) {
+    if (gpu[i] != kPoison) {
+      ADD_FAILURE() << name << "[" << i << "] = " << gpu[i] << " written past its capacity " << n;
+      return;
+    }
+  }
+}
+
+void expect_same_layout(const HostLayout& cpu, const DeviceLayout& gpu) {
+  for (int i = 0; i < kNumArrays; ++i) expect_same(kArrayNames[i], cpu.a[i], gpu.fetch(i));
+}
+
+// Everything one layout call on the GPU needs, allocated once per shape.
+struct GpuLayoutRun {
+  Case c;
+  Sizes sizes;
+  DeviceBuffer ids;
+  DeviceBuffer expert_map;
+  DeviceBuffer workspace;
+  std::size_t workspace_bytes = 0;
+  DeviceLayout out;
+
+  explicit GpuLayoutRun(const Case& c_, std::size_t min_workspace = 0)
+      : c(c_), sizes(c_.T, c_.K, num_local(c_), c_.M), out(sizes) {
+    ids = DeviceBuffer(static_cast<std::size_t>(c.T * c.K) * (c.ids64 ? 8 : 4) + 16);
+    expert_map = DeviceBuffer(static_cast<std::size_t>(c.E) * 4 + 16);
+    const LayoutConfig config = make_config(c, expert_map.get(), Device::cuda());
+    const Status s = switchyard::layout_workspace_size(config, c.T, c.K, Device::cuda(), &workspace_bytes);
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    workspace_bytes = std::max(workspace_bytes, min_workspace);
+    workspace = DeviceBuffer(workspace_bytes);
+  }
+
+  void upload(const Inputs& in) {
+    if (c.T * c.K > 0) {
+      const void* src =
+          c.ids64 ? static_cast<const void*>(in.ids.data()) : static_cast<const void*>(in.ids32.data());
+      cudaMemcpy(ids.get(), src, static_cast<std::size_t>(c.T * c.K) * (c.ids64 ? 8 : 4),
+                 cudaMemcpyHostToDevice);
+    }
+    if (c.local == LocalKind::kMap) {
+      cudaMemcpy(expert_map.get(), in.expert_map.data(), in.expert_map.size() * 4, cudaMemcpyHostToDevice);
+    }
+  }
+
+  TensorView ids_view() const {
+    return TensorView::of(ids.get(), c.ids64 ? DType::kInt64 : DType::kInt32, {c.T, c.K}, Device::cuda());
+  }
+
+  Status run(cudaStream_t stream = nullptr) {
+    return switchyard::layout(make_config(c, expert_map.get(), Device::cuda()), ids_view(), out.views(),
+                              workspace.get(), workspace_bytes, stream);
+  }
+};
+
+HostLayout cpu_layout(const Case& c, const Inputs& in) {
+  HostLayout h(Sizes(c.T, c.K, num_local(c), c.M));
+  const TensorView ids = c.ids64 ? TensorView::of(in.ids.data(), DType::kInt64, {c.T, c.K}, Device::cpu())
+                                 : TensorView::of(in.ids32.data(), DType::kInt32, {c.T, c.K}, Device::cpu());
+  const Status s =
+      switchyard::layout(make_config(c, in.expert_map.data(), Device::cpu()), ids, h.views(), nullptr, 0);
+  EXPECT_TRUE(s.ok()) << "CPU layout: " << s.to_string();
+  return h;
+}
+
+// One case end to end: fresh inputs, CPU oracle, poisoned GPU run, byte comparison.
+void check_case(const Case& c, std::uint64_t seed) {
+  SCOPED_TRACE(describe(c) + " input seed " + std::to_string(seed));
+  const Inputs in = make_inputs(c, seed);
+  const HostLayout want = cpu_layout(c, in);
+  GpuLayoutRun gpu(c);
+  gpu.upload(in);
+  gpu.out.poison();
+  // The workspace is never initialised by the caller: garbage must not matter.
+  if (gpu.workspace.get())
+    cudaMemset(gpu.workspace.get(), static_cast<int>(seed & 0xff), gpu.workspace_bytes);
+  const Status s = gpu.run();
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  SY_CUDA_OK(cudaDeviceSynchronize());
+  expect_same_layout(want, gpu.out);
+}
+
+void pick_local(Case& c, std::mt19937_64& g, int stride) {
+  if (c.local == LocalKind::kRange) {
+    c.stride = stride;
+    c.start = static_cast<int>(g() % static_cast<std::uint64_t>(std::max(1, c.E / 2)));
+    const int max_count = (c.E - 1 - c.start) / c.stride + 1;
+    c.count = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(max_count));
+  } else if (c.local == LocalKind::kMap) {
+    c.count = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(c.E));
+  }
+}
+
+// A random case over the secondary axes for (T, E, K).
+Case random_case(std::int64_t T, int E, int K, std::mt19937_64& g) {
+  Case c;
+  c.T = T;
+  c.E = E;
+  c.K = K;
+  c.M = kMs[g() % 5];
+  c.skew = kSkews[g() % 3];
+  c.ids64 = g() % 2 == 1;
+  c.local = static_cast<LocalKind>(g() % 3);
+  c.invalid = g() % 2 == 1;
+  pick_local(c, g, g() % 2 == 0 ? 1 : 3);
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+// Every T with every (E, K <= E) pair up to 4096 tokens; at the two big T, the (E, K) pairs that
+// serving uses plus the extremes. Tile size, skew, id dtype, local form and invalid ids are drawn
+// per case (the next test covers their full cross product).
+TEST(LayoutCuda, SweepMatchesCpu) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const std::int64_t T : kTs) {
+    std::vector<std::pair<int, int>> ek;
+    if (T <= 4096) {
+      for (const int E : kEs)
+        for (const int K : kKs)
+          if (K <= E) ek.emplace_back(E, K);
+    } else if (T == 65536) {
+      ek = {{8, 2}, {160, 22}, {256, 8}, {384, 8}, {512, 10}, {2048, 1}, {4096, 32}};
+    } else {
+      ek = {{256, 8}, {512, 10}, {4096, 2}};
+    }
+    for (const auto& [E, K] : ek) {
+      check_case(random_case(T, E, K, g), g());
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// The full cross product of tile size x skew x id dtype x local form x invalid ids, on the small
+// one-kernel path (T=111, K=8) and on the chunked path (T=989, K=8).
+TEST(LayoutCuda, SecondaryAxesCrossProduct) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const std::int64_t T : {111, 989}) {
+    for (const int M : kMs)
+      for (const Skew skew : kSkews)
+        for (const bool ids64 : {false, true})
+          for (int form = 0; form < 4; ++form)
+            for (const bool invalid : {false, true}) {
+              Case c;
+              c.T = T;
+              c.E = 256;
+              c.K = 8;
+              c.M = M;
+              c.skew = skew;
+              c.ids64 = ids64;
+              c.invalid = invalid;
+              c.local = form == 0 ? LocalKind::kAll : form == 3 ? LocalKind::kMap : LocalKind::kRange;
+              pick_local(c, g, form == 1 ? 1 : 3);
+              check_case(c, g());
+              if (HasFatalFailure()) return;
+            }
+  }
+}
+
+// Pick counts at and around every path boundary (one kernel up to 4096 picks, chunks of 1024 up
+// to 131072, chunks of 4096 above) and chunk boundaries.
+TEST(LayoutCuda, PathBoundaries) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  const std::pair<std::int64_t, int> shapes[] = {{128, 1},  {129, 1},   {1024, 1},   {1025, 1},  {2048, 1},
+                                                 {2049, 1}, {4096, 1},  {4097, 1},   {512, 8},   {513, 8},
+                                                 {5120, 1}, {16384, 8}, {131073, 1}, {16385, 8}, {65535, 2},
+                                                 {1, 32},   {128, 32},  {129, 32},   {4095, 32}};
+  for (const auto& [T, K] : shapes) {
+    check_case(random_case(T, 256, K, g), g());
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Edge cases: one expert, no local experts, every pick invalid or -1, every token on one expert,
+// tiles larger than everything, the largest supported L.
+TEST(LayoutCuda, EdgeCases) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  std::vector<Case> cases;
+  for (const std::int64_t T : {0, 1, 5, 777, 9000}) {
+    Case c;
+    c.T = T;
+    c.E = 1;
+    c.K = 1;
+    cases.push_back(c);  // E = 1
+    c.E = 64;
+    c.K = 4;
+    c.local = LocalKind::kRange;
+    c.start = 3;
+    c.count = 0;
+    cases.push_back(c);  // L = 0, range form
+    c.local = LocalKind::kMap;
+    cases.push_back(c);  // L = 0, map form
+    c.local = LocalKind::kRange;
+    c.start = 63;
+    c.count = 1;
+    c.M = 1000;
+    cases.push_back(c);  // L = 1 at the last expert, one huge tile
+    c.local = LocalKind::kAll;
+    c.M = 3;
+    c.K = 1;
+    c.skew = Skew::kOneHot;
+    cases.push_back(c);  // every token on one expert
+    c.E = 8192;
+    c.K = 8;
+    c.M = 64;
+    c.skew = Skew::kZipf;
+    c.ids64 = true;
+    c.invalid = true;
+    cases.push_back(c);  // the largest L the CUDA backend supports
+  }
+  for (const Case& c : cases) {
+    check_case(c, g());
+    if (HasFatalFailure()) return;
+  }
+  // All picks -1, or all outside [0, E).
+  for (const std::int64_t fill : {std::int64_t{-1}, std::int64_t{300}}) {
+    for (const std::int64_t T : {7, 3000}) {
+      Case c;
+      c.T = T;
+      c.E = 256;
+      c.K = 8;
+      c.M = 16;
+      SCOPED_TRACE(describe(c) + " every id = " + std::to_string(fill));
+      Inputs in;
+      in.ids.assign(static_cast<std::size_t>(T * c.K), fill);
+      in.ids32.assign(in.ids.begin(), in.ids.end());
+      const HostLayout want = cpu_layout(c, in);
+      GpuLayoutRun gpu(c);
+      gpu.upload(in);
+      gpu.out.poison();
+      ASSERT_TRUE(gpu.run().ok());
+      SY_CUDA_OK(cudaDeviceSynchronize());
+      expect_same_layout(want, gpu.out);
+    }
+  }
+}
+
+TEST(LayoutCuda, TooManyLocalExpertsIsUnsupported) {
+  SY_SKIP_WITHOUT_GPU();
+  Case c;
+  c.T = 4;
+  c.E = 8193;
+  c.K = 2;
+  GpuLayoutRun gpu(c);
+  const Status s = gpu.run();
+  EXPECT_EQ(s.code(), switchyard::StatusCode::kUnsupported) << s.to_string();
+}
+
+// A workspace sized for a larger shape serves every smaller call (the size is monotone in T).
+TEST(LayoutCuda, WorkspaceForLargerShapeServesSmallerCalls) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  LayoutConfig config;
+  config.num_experts = 512;
+  config.tile_size = 128;
+  std::size_t previous = 0;
+  for (std::int64_t T = 0; T <= 40000; T += 97) {
+    std::size_t bytes = 0;
+    ASSERT_TRUE(switchyard::layout_workspace_size(config, T, 10, Device::cuda(), &bytes).ok());
+    ASSERT_GE(bytes, previous) << "workspace size shrinks at T = " << T;
+    previous = bytes;
+  }
+  std::size_t big = 0;
+  ASSERT_TRUE(switchyard::layout_workspace_size(config, 20000, 8, Device::cuda(), &big).ok());
+  for (const std::int64_t T : {16384, 13000, 600}) {
+    Case c = random_case(T, 512, 8, g);
+    c.M = 128;
+    c.local = LocalKind::kAll;
+    SCOPED_TRACE(describe(c));
+    const Inputs in = make_inputs(c, g());
+    const HostLayout want = cpu_layout(c, in);
+    GpuLayoutRun gpu(c, big);
+    gpu.upload(in);
+    gpu.out.poison();
+    ASSERT_TRUE(gpu.run().ok());
+    SY_CUDA_OK(cudaDeviceSynchronize());
+    expect_same_layout(want, gpu.out);
+  }
+}
+
+// The same input 100 times gives the same bytes (no dependence on atomics' order), on each path.
+TEST(LayoutCuda, DeterministicOver100Runs) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const std::int64_t T : {256, 4096, 65536}) {
+    Case c;
+    c.T = T;
+    c.E = 256;
+    c.K = 8;
+    c.M = 128;
+    c.skew = Skew::kZipf;
+    c.invalid = true;
+    SCOPED_TRACE(describe(c));
+    const Inputs in = make_inputs(c, g());
+    const HostLayout want = cpu_layout(c, in);
+    GpuLayoutRun gpu(c);
+    gpu.upload(in);
+    std::vector<std::int32_t> first[kNumArrays];
+    for (int run = 0; run < 100; ++run) {
+      gpu.out.poison();
+      ASSERT_TRUE(gpu.run().ok());
+      SY_CUDA_OK(cudaDeviceSynchronize());
+      for (int i = 0; i < kNumArrays; ++i) {
+        std::vector<std::int32_t> got = gpu.out.fetch(i);
+        if (run == 0) {
+          expect_same(kArrayNames[i], want.a[i], got);
+          first[i] = std::move(got);
+        } else if (got != first[i]) {
+          FAIL() << kArrayNames[i] << " differs between run 0 and run " << run;
+        }
+      }
+      if (HasFailure()) return;
+    }
+  }
+}
+
+// Capture one layout call in a CUDA graph on a non-default stream, then replay it with new ids
+// copied into the same buffer; each replay must match the CPU on those ids.
+TEST(LayoutCuda, GraphCaptureAndReplayWithNewIds) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const std::int64_t T : {19, 4096, 65536}) {
+    Case c;
+    c.T = T;
+    c.E = 256;
+    c.K = 8;
+    c.M = 64;
+    c.local = LocalKind::kRange;
+    c.start = 64;
+    c.count = 128;
+    c.invalid = true;
+    SCOPED_TRACE(describe(c));
+    GpuLayoutRun gpu(c);
+    cudaStream_t stream;
+    SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    SY_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status s = gpu.run(stream);
+    SY_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    SY_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 4; ++replay) {
+      SCOPED_TRACE("replay " + std::to_string(replay));
+      c.skew = kSkews[replay % 3];
+      gpu.c.skew = c.skew;
+      const Inputs in = make_inputs(c, g());
+      const HostLayout want = cpu_layout(c, in);
+      gpu.upload(in);
+      gpu.out.poison();
+      SY_CUDA_OK(cudaDeviceSynchronize());
+      SY_CUDA_OK(cudaGraphLaunch(exec, stream));
+      SY_CUDA_OK(cudaStreamSynchronize(stream));
+      expect_same_layout(want, gpu.out);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    if (HasFailure()) return;
+  }
+}
+
+// route_and_layout on the GPU against route_and_layout on the CPU, for model presets: ids and
+// weights (bit for bit: both backends run the same exact arithmetic, routing.h) and every
+// layout array.
+TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const char* name : {"deepseek-v3", "qwen3-next-80b"}) {
+    switchyard::ModelPreset preset;
+    ASSERT_TRUE(switchyard::find_preset(name, &preset).ok()) << name;
+    const int E = preset.routing.num_experts;
+    const int K = preset.routing.top_k;
+    for (const std::int64_t T : {1, 19, 256, 8192}) {
+      for (const bool ids64 : {false, true}) {
+        Case c;
+        c.T = T;
+        c.E = E;
+        c.K = K;
+        c.M = 128;
+        c.ids64 = ids64;
+        if (ids64) {  // expert parallelism: a quarter of the experts are local
+          c.local = LocalKind::kRange;
+          c.start = E / 4;
+          c.count = E / 4;
+          c.M = 64;
+        }
+        SCOPED_TRACE(std::string(name) + " " + describe(c));
+        const std::vector<float> logits = sy_test::random_normal(static_cast<std::size_t>(T * E), g());
+        const std::vector<float> bias = sy_test::random_normal(static_cast<std::size_t>(E), g(), 0.1f);
+        const std::size_t id_bytes = ids64 ? 8 : 4;
+        // CPU.
+        std::vector<std::int64_t> cpu_ids(static_cast<std::size_t>(T * K), 0);  // large enough either way
+        std::vector<float> cpu_weights(static_cast<std::size_t>(T * K), 0.f);
+        HostLayout want(Sizes(T, K, num_local(c), c.M));
+        const DType id_type = ids64 ? DType::kInt64 : DType::kInt32;
+        const TensorView cpu_bias =
+            preset.has_bias ? TensorView::of(bias.data(), DType::kFloat32, {E}, Device::cpu()) : TensorView{};
+        Status s = switchyard::route_and_layout(
+            preset.routing, TensorView::of(logits.data(), DType::kFloat32, {T, E}, Device::cpu()), cpu_bias,
+            TensorView::of(cpu_ids.data(), id_type, {T, K}, Device::cpu()),
+            TensorView::of(cpu_weights.data(), DType::kFloat32, {T, K}, Device::cpu()),
+            make_config(c, nullptr, Device::cpu()), want.views(), nullptr, 0);
+        ASSERT_TRUE(s.ok()) << "CPU: " << s.to_string();
+        // GPU.
+        DeviceBuffer d_logits = sy_test::to_device(logits);
+        DeviceBuffer d_bias = sy_test::to_device(bias);
+        DeviceBuffer d_ids(static_cast<std::size_t>(T * K) * id_bytes + kGuard * 8);
+        DeviceBuffer d_weights(static_cast<std::size_t>(T * K) * 4 + kGuard * 4);
+        sy_test::poison(d_ids);
+        sy_test::poison(d_weights);
+        DeviceLayout got(Sizes(T, K, num_local(c), c.M));
+        got.poison();
+        const LayoutConfig config = make_config(c, nullptr, Device::cuda());
+        std::size_t ws_bytes = 0;
+        ASSERT_TRUE(switchyard::layout_workspace_size(config, T, K, Device::cuda(), &ws_bytes).ok());
+        DeviceBuffer ws(ws_bytes);
+        const TensorView gpu_bias = preset.has_bias
+                                        ? TensorView::of(d_bias.get(), DType::kFloat32, {E}, Device::cuda())
+                                        : TensorView{};
+        s = switchyard::route_and_layout(
+            preset.routing, TensorView::of(d_logits.get(), DType::kFloat32, {T, E}, Device::cuda()), gpu_bias,
+            TensorView::of(d_ids.get(), id_type, {T, K}, Device::cuda()),
+            TensorView::of(d_weights.get(), DType::kFloat32, {T, K}, Device::cuda()), config, got.views(),
+            ws.get(), ws_bytes, nullptr);
+        ASSERT_TRUE(s.ok()) << "GPU: " << s.to_string();
+        SY_CUDA_OK(cudaDeviceSynchronize());
+        const std::size_t n = static_cast<std::size_t>(T * K);
+        std::vector<unsigned char> ids_got(n * id_bytes);
+        std::vector<float> weights_got(n);
+        SY_CUDA_OK(cudaMemcpy(ids_got.data(), d_ids.get(), n * id_bytes, cudaMemcpyDeviceToHost));
+        SY_CUDA_OK(cudaMemcpy(weights_got.data(), d_weights.get(), n * 4, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(std::memcmp(ids_got.data(), cpu_ids.data(), n * id_bytes), 0) << "topk_ids differ";
+        EXPECT_EQ(std::memcmp(weights_got.data(), cpu_weights.data(), n * 4), 0) << "topk_weights differ";
+        expect_same_layout(want, got);
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+}  // namespace

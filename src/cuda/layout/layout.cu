@@ -1,12 +1,218 @@
-// CUDA layout kernels (DESIGN.md section 3). TODO(issue 4): implementation pending.
+// CUDA layout (DESIGN.md section 3): launchers, workspace sizing and path selection. The kernels
+// and the algorithm are described in layout_kernels.cuh.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
 #include "cuda/backend.h"
+#include "cuda/layout/layout_kernels.cuh"
+#include "cuda/layout/pdl_launch.cuh"
 
 namespace switchyard::cuda {
 
-std::size_t layout_workspace_bytes(const detail::LayoutArgs&) { return 0; }
-Status layout(const detail::LayoutArgs&, Stream) { return Status::Unsupported("layout: CUDA backend not implemented yet"); }
-Status route_and_layout(const detail::RouteArgs&, const detail::LayoutArgs&, Stream) {
-  return Status::Unsupported("route_and_layout: CUDA backend not implemented yet");
+namespace {
+
+using layout_detail::LayoutParams;
+
+// Path selection, by the number of picks N = T*K.
+constexpr long long kSmallMaxPicks = 4096;     // one kernel, every block sorts all picks
+constexpr long long kMediumMaxPicks = 131072;  // three kernels, chunks of kMediumChunk picks
+constexpr int kMediumThreads = 256;
+constexpr int kMediumItems = 4;
+constexpr int kMediumChunk = kMediumThreads * kMediumItems;  // 1024
+constexpr int kLargeThreads = 512;
+constexpr int kLargeItems = 8;
+constexpr int kLargeChunk = kLargeThreads * kLargeItems;  // 4096
+
+// Small path: blocks share the writes, about this many output rows each, and at most this many
+// blocks (each one repeats the sort of all N <= 4096 picks, so more blocks cost L2 reads only).
+constexpr long long kRowsPerSmallBlock = 2048;
+constexpr long long kMaxSmallBlocks = 128;
+
+constexpr std::size_t kWorkspaceAlign = 256;
+
+long long ceil_div(long long a, long long b) { return (a + b - 1) / b; }
+std::size_t align_up(std::size_t v) { return (v + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+
+// Chunks the workspace must hold for any N' <= N: a workspace sized for a shape bound must serve
+// every smaller call, and the chunk count drops where the chunk grows (N = 131072 -> 131073).
+long long workspace_chunks(long long picks) {
+  if (picks <= kSmallMaxPicks) return 0;
+  long long chunks = ceil_div(std::min(picks, kMediumMaxPicks), kMediumChunk);
+  if (picks > kMediumMaxPicks) chunks = std::max(chunks, ceil_div(picks, kLargeChunk));
+  return chunks;
+}
+
+struct WorkspaceLayout {
+  std::size_t hist_offset = 0;     // int32 [chunks][L]
+  std::size_t dropped_offset = 0;  // int32 [chunks]
+  std::size_t bytes = 0;
+};
+
+WorkspaceLayout workspace_layout(long long picks, int num_local) {
+  WorkspaceLayout w;
+  const long long chunks = workspace_chunks(picks);
+  if (chunks == 0) return w;
+  w.hist_offset = 0;
+  w.dropped_offset =
+      align_up(static_cast<std::size_t>(chunks) * std::max(num_local, 0) * sizeof(std::int32_t));
+  w.bytes = w.dropped_offset + align_up(static_cast<std::size_t>(chunks) * sizeof(std::int32_t));
+  return w;
+}
+
+int bit_width(unsigned v) {
+  int bits = 0;
+  while (v != 0) {
+    ++bits;
+    v >>= 1;
+  }
+  return bits;
+}
+
+LayoutParams make_params(const detail::LayoutArgs& a) {
+  LayoutParams p;
+  p.num_tokens = static_cast<int>(a.num_tokens);
+  p.top_k = a.top_k;
+  p.num_picks = static_cast<int>(a.num_tokens * a.top_k);
+  p.num_experts = a.num_experts;
+  p.num_local = a.num_local;
+  p.tile_size = a.tile_size;
+  p.key_bits = std::max(1, bit_width(static_cast<unsigned>(a.num_local)));  // keys 0..L
+  p.local_start = a.local_start;
+  p.local_stride = a.local_stride;
+  p.expert_map = a.expert_map;
+  p.capacity_rows = static_cast<int>(a.capacity_rows);
+  p.capacity_tiles = static_cast<int>(a.capacity_tiles);
+  p.topk_ids = a.topk_ids;
+  p.counts = a.counts;
+  p.offsets = a.offsets;
+  p.permuted_to_expanded = a.permuted_to_expanded;
+  p.permuted_to_token = a.permuted_to_token;
+  p.expanded_to_permuted = a.expanded_to_permuted;
+  p.tile_expert = a.tile_expert;
+  p.tile_row_end = a.tile_row_end;
+  p.totals = a.totals;
+  return p;
+}
+
+Status cuda_status(const char* what, cudaError_t err) {
+  return Status::CudaError(std::string("layout: ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Kernels whose static + dynamic shared memory may pass the 48 KB default need an opt-in per
+// device; below this many dynamic bytes every layout kernel stays under it (static <= 36 KB).
+constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
+constexpr int kMaxDevicesCached = 64;
+
+template <typename... KernelArgs>
+cudaError_t allow_dynamic_smem(void (*kernel)(KernelArgs...), std::size_t bytes) {
+  if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;
+  // The largest opt-in granted so far for this kernel, per device (a host-side cache, so that the
+  // attribute call does not repeat on every call).
+  static std::atomic<std::size_t> granted[kMaxDevicesCached];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cacheable = device >= 0 && device < kMaxDevicesCached;
+  if (cacheable && granted[device].load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err == cudaSuccess && cacheable) {
+    std::size_t seen = granted[device].load(std::memory_order_relaxed);
+    while (seen < bytes && !granted[device].compare_exchange_weak(seen, bytes)) {
+    }
+  }
+  return err;
+}
+
+template <typename... KernelArgs>
+Status launch(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::size_t smem,
+              cudaStream_t stream, const LayoutParams& p) {
+  cudaError_t err = allow_dynamic_smem(kernel, smem);
+  if (err != cudaSuccess) return cuda_status(name, err);
+  err = layout_detail::launch_pdl(kernel, grid, block, smem, stream, p);
+  if (err != cudaSuccess) return cuda_status(name, err);
+  return Status::Ok();
+}
+
+template <int THREADS, int ITEMS, typename Id>
+Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
+  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
+  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerSmallBlock), 1, kMaxSmallBlocks);
+  return launch("small_layout_kernel", layout_detail::small_layout_kernel<THREADS, ITEMS, Id>,
+                dim3(static_cast<unsigned>(blocks)), dim3(THREADS),
+                layout_detail::expert_arrays_bytes(p.num_local), stream, p);
+}
+
+template <typename Id>
+Status launch_small(const LayoutParams& p, cudaStream_t stream) {
+  if (p.num_picks <= 128) return launch_small_config<128, 1, Id>(p, stream);
+  if (p.num_picks <= 1024) return launch_small_config<256, 4, Id>(p, stream);
+  if (p.num_picks <= 2048) return launch_small_config<256, 8, Id>(p, stream);
+  return launch_small_config<512, 8, Id>(p, stream);
+}
+
+template <int THREADS, int ITEMS, typename Id>
+Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t stream) {
+  const WorkspaceLayout w = workspace_layout(p.num_picks, p.num_local);
+  char* base = static_cast<char*>(a.workspace);
+  p.chunk_picks = THREADS * ITEMS;
+  p.num_chunks = static_cast<int>(ceil_div(p.num_picks, p.chunk_picks));
+  p.chunk_hist = reinterpret_cast<std::int32_t*>(base + w.hist_offset);
+  p.chunk_dropped = reinterpret_cast<std::int32_t*>(base + w.dropped_offset);
+  const dim3 chunks(static_cast<unsigned>(p.num_chunks));
+  const std::size_t hist_bytes = static_cast<std::size_t>(p.num_local) * sizeof(std::int32_t);
+  SY_RETURN_IF_ERROR(launch("chunk_histogram_kernel",
+                            layout_detail::chunk_histogram_kernel<THREADS, ITEMS, Id>, chunks, dim3(THREADS),
+                            hist_bytes, stream, p));
+  const unsigned scan_blocks = static_cast<unsigned>(std::max<long long>(1, ceil_div(p.num_local, 32)));
+  SY_RETURN_IF_ERROR(launch("chunk_scan_kernel", layout_detail::chunk_scan_kernel, dim3(scan_blocks),
+                            dim3(32, layout_detail::kScanRowsY), 0, stream, p));
+  return launch("chunk_scatter_kernel", layout_detail::chunk_scatter_kernel<THREADS, ITEMS, Id>, chunks,
+                dim3(THREADS), layout_detail::expert_arrays_bytes(p.num_local), stream, p);
+}
+
+template <typename Id>
+Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
+  const LayoutParams p = make_params(a);
+  if (p.num_picks <= kSmallMaxPicks) return launch_small<Id>(p, stream);
+  if (p.num_picks <= kMediumMaxPicks) return launch_chunked<kMediumThreads, kMediumItems, Id>(p, a, stream);
+  return launch_chunked<kLargeThreads, kLargeItems, Id>(p, a, stream);
+}
+
+}  // namespace
+
+std::size_t layout_workspace_bytes(const detail::LayoutArgs& shape) {
+  return workspace_layout(shape.num_tokens * shape.top_k, shape.num_local).bytes;
+}
+
+Status layout(const detail::LayoutArgs& args, Stream stream) {
+  if (args.num_local > layout_detail::kMaxLocalExperts) {
+    return Status::Unsupported("layout: " + std::to_string(args.num_local) +
+                               " local experts; the CUDA backend supports at most " +
+                               std::to_string(layout_detail::kMaxLocalExperts));
+  }
+  if (args.workspace_bytes < layout_workspace_bytes(args)) {
+    return Status::Internal("layout: the CUDA backend was handed a workspace smaller than it asked for");
+  }
+  switch (args.ids_dtype) {
+    case DType::kInt32:
+      return layout_typed<std::int32_t>(args, stream);
+    case DType::kInt64:
+      return layout_typed<std::int64_t>(args, stream);
+    default:
+      return Status::Internal(std::string("layout: CUDA backend reached with ids dtype ") +
+                              dtype_name(args.ids_dtype));
+  }
+}
+
+Status route_and_layout(const detail::RouteArgs& route_args, const detail::LayoutArgs& layout_args,
+                        Stream stream) {
+  if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
+  SY_RETURN_IF_ERROR(route(route_args, stream));
+  return layout(layout_args, stream);
 }
 
 }  // namespace switchyard::cuda

@@ -1,0 +1,513 @@
+// Device code of the CUDA layout (DESIGN.md section 3): a stable counting sort of the expanded
+// picks x = t*K + k by local expert, deterministic bit for bit (no atomic whose order reaches the
+// output: shared-memory atomics only build histograms, whose values do not depend on order).
+//
+// Two shapes of the same computation:
+//
+//  * small (T*K <= kSmallMaxPicks): ONE kernel. Every block reads all picks, builds the
+//    histogram, scans it and sorts the picks by (local expert, x) with cub::BlockRadixSort
+//    (stable, so equal experts keep ascending x). The blocks then split the writes: block g
+//    writes the sorted positions, padding rows and tiles of its slice. The redundant
+//    per-block work is small; the writes (dominated by padding rows, L*(M-1) of them) are
+//    spread over many SMs, and no block waits for another.
+//
+//  * large: three kernels chained by programmatic dependent launch, over B chunks of C
+//    contiguous picks (the classic split of a counting sort / radix sort's "upsweep, scan,
+//    downsweep", e.g. Merrill & Grimshaw, "High performance and scalable radix sorting"):
+//      1. chunk_histogram: chunk b's per-expert counts -> workspace hist[b][l];
+//      2. chunk_scan: per expert, the exclusive prefix over chunks (in place) and counts[l];
+//      3. chunk_scatter: each block scans pad(counts) (redundantly, L values) into offsets,
+//         sorts its chunk stably, and writes row = offsets[l] + hist[b][l] + rank in chunk;
+//         then its slice of padding rows and tiles.
+//    The kernel boundaries are the grid-wide barriers; the workspace needs no initialisation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/layout/pdl_launch.cuh"
+
+namespace switchyard::cuda::layout_detail {
+
+// ---------------------------------------------------------------------------------------------
+// Parameters: one struct, passed by value to every layout kernel.
+
+struct LayoutParams {
+  // Shape.
+  int num_tokens = 0;   // T
+  int top_k = 1;        // K
+  int num_picks = 0;    // N = T*K (< 2^31 - 1, checked by the API layer)
+  int num_experts = 0;  // E
+  int num_local = 0;    // L (<= kMaxLocalExperts)
+  int tile_size = 1;    // M
+  int key_bits = 1;     // bits of the sort key: keys are 0..L, L = "not placed"
+  // Local experts: expert_map[E] when non-null, else global = start + l * stride.
+  int local_start = 0;
+  int local_stride = 1;
+  const std::int32_t* expert_map = nullptr;
+  // Capacities of the row and tile arrays (max_permuted_rows, max_tiles).
+  int capacity_rows = 0;
+  int capacity_tiles = 0;
+  // Input ids [T,K], int32 or int64 (the kernel's template argument says which).
+  const void* topk_ids = nullptr;
+  // Outputs (layout.h).
+  std::int32_t* counts = nullptr;
+  std::int32_t* offsets = nullptr;
+  std::int32_t* permuted_to_expanded = nullptr;
+  std::int32_t* permuted_to_token = nullptr;
+  std::int32_t* expanded_to_permuted = nullptr;
+  std::int32_t* tile_expert = nullptr;
+  std::int32_t* tile_row_end = nullptr;
+  std::int32_t* totals = nullptr;
+  // Large path only: B chunks of `chunk_picks` picks; hist [B][L] and dropped [B] in workspace.
+  int num_chunks = 0;
+  int chunk_picks = 0;
+  std::int32_t* chunk_hist = nullptr;
+  std::int32_t* chunk_dropped = nullptr;
+};
+
+// Local experts at most (shared-memory arrays of L entries, and 16-bit sort keys 0..L).
+constexpr int kMaxLocalExperts = 8192;
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers.
+
+__device__ __forceinline__ int ceil_div_int(int a, int b) { return (a + b - 1) / b; }
+
+// pad(c) = ceil(c / M) * M; < 2^31 for every c the API layer admits (max_permuted_rows bound).
+__device__ __forceinline__ std::uint32_t padded_count(std::uint32_t c, std::uint32_t m) {
+  return static_cast<std::uint32_t>((static_cast<std::uint64_t>(c) + m - 1) / m * m);
+}
+
+// The sort key of global expert id e: its local index l, or L when e is not placed. Ids outside
+// [0, E) other than -1 add one to `dropped`.
+__device__ __forceinline__ int local_key(long long e, const LayoutParams& p, int& dropped) {
+  const int L = p.num_local;
+  if (e < 0 || e >= p.num_experts) {
+    dropped += (e != -1);
+    return L;
+  }
+  const int ei = static_cast<int>(e);
+  int l;
+  if (p.expert_map != nullptr) {
+    l = __ldg(p.expert_map + ei);  // entries outside [-1, L) count as -1 (range check below)
+  } else {
+    const int d = ei - p.local_start;
+    if (p.local_stride == 1) {
+      l = d;
+    } else {
+      l = (d >= 0 && d % p.local_stride == 0) ? d / p.local_stride : -1;
+    }
+  }
+  return static_cast<unsigned>(l) < static_cast<unsigned>(L) ? l : L;
+}
+
+// Reads pick x of the ids and returns its key.
+template <typename Id>
+struct GlobalIdKeys {
+  const Id* ids;
+  __device__ __forceinline__ int operator()(int x, const LayoutParams& p, int& dropped) const {
+    return local_key(static_cast<long long>(ids[x]), p, dropped);
+  }
+};
+
+// The largest i in [0, L] with offs[i] <= row (offs[0] = 0 <= row): the expert whose padded
+// segment holds `row`, or L when row >= padded_total. Empty experts share their offset with the
+// next one and are skipped because the search returns the last equal entry.
+__device__ __forceinline__ int segment_of_row(const int* offs, int L, int row) {
+  int lo = 0;
+  int hi = L + 1;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (offs[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Block-wide exclusive scan of n values, each thread owning a contiguous run of them (n is a
+// runtime value, up to kMaxLocalExperts). `load(i)` gives value i (it is called twice per i);
+// `store(i, exclusive_prefix)` is called once per i, after the last load(i). Returns the total.
+template <int THREADS, typename T, typename Load, typename Store>
+__device__ __forceinline__ T scan_runs(int n, typename cub::BlockScan<T, THREADS>::TempStorage& storage,
+                                       Load load, Store store) {
+  const int per_thread = ceil_div_int(n, THREADS);
+  const int begin = min(n, static_cast<int>(threadIdx.x) * per_thread);
+  const int end = min(n, begin + per_thread);
+  T run_sum = 0;
+  for (int i = begin; i < end; ++i) run_sum += load(i);
+  T prefix;
+  T total;
+  cub::BlockScan<T, THREADS>(storage).ExclusiveSum(run_sum, prefix, total);
+  for (int i = begin; i < end; ++i) {
+    const T v = load(i);
+    store(i, prefix);
+    prefix += v;
+  }
+  return total;
+}
+
+// Two 31-bit sums in one 64-bit scan: high half pad(count) (-> offsets), low half a count
+// (-> its exclusive prefix). Neither total reaches 2^31, so no carry crosses the halves.
+__device__ __forceinline__ unsigned long long pack_pair(std::uint32_t high, std::uint32_t low) {
+  return (static_cast<unsigned long long>(high) << 32) | low;
+}
+__device__ __forceinline__ int high_half(unsigned long long v) { return static_cast<int>(v >> 32); }
+__device__ __forceinline__ int low_half(unsigned long long v) { return static_cast<int>(v & 0xffffffffull); }
+
+// Shared arrays of L entries every scatter block keeps (dynamic shared memory):
+//   delta[l] = row of the first pick of expert l in this block's sorted order, minus that pick's
+//              sorted position (so row = sorted position + delta[key]);
+//   offs[l]  = offsets[l], offs[L] = padded_total;
+//   ends[l]  = offsets[l] + counts[l] (end of the real rows of l).
+struct ExpertArrays {
+  int* delta;
+  int* offs;
+  int* ends;
+  __device__ __forceinline__ static ExpertArrays carve(int* smem, int L) {
+    return ExpertArrays{smem, smem + L, smem + 2 * L + 1};
+  }
+};
+inline constexpr std::size_t expert_arrays_bytes(int L) { return (3 * static_cast<std::size_t>(L) + 1) * 4; }
+
+// Sentinels for rows [row_begin, row_end) that are not real rows, and every tile of
+// [tile_begin, tile_end). Real rows are written by the scatter, so each row is written once.
+template <int THREADS>
+__device__ __forceinline__ void fill_rows_and_tiles(const LayoutParams& p, const ExpertArrays& ex,
+                                                    int row_begin, int row_end, int tile_begin,
+                                                    int tile_end) {
+  const int L = p.num_local;
+  const int pad_expanded = p.num_picks;
+  const int pad_token = p.num_tokens;
+  for (int r = row_begin + static_cast<int>(threadIdx.x); r < row_end; r += THREADS) {
+    const int l = segment_of_row(ex.offs, L, r);
+    if (l == L || r >= ex.ends[l]) {
+      p.permuted_to_expanded[r] = pad_expanded;
+      p.permuted_to_token[r] = pad_token;
+    }
+  }
+  const long long M = p.tile_size;
+  for (int i = tile_begin + static_cast<int>(threadIdx.x); i < tile_end; i += THREADS) {
+    const long long start = static_cast<long long>(i) * M;  // < capacity_rows < 2^31
+    const int l = segment_of_row(ex.offs, L, static_cast<int>(start));
+    if (l == L) {
+      p.tile_expert[i] = -1;
+      p.tile_row_end[i] = static_cast<int>(start);
+    } else {
+      p.tile_expert[i] = l;
+      p.tile_row_end[i] = static_cast<int>(min(start + M, static_cast<long long>(ex.ends[l])));
+    }
+  }
+}
+
+// [begin, end) of part `part` of `n` items split into `parts` near-equal contiguous parts.
+__device__ __forceinline__ void part_range(int n, int part, int parts, int& begin, int& end) {
+  const long long per = (static_cast<long long>(n) + parts - 1) / parts;
+  begin = static_cast<int>(min(static_cast<long long>(n), per * part));
+  end = static_cast<int>(min(static_cast<long long>(n), per * (part + 1)));
+}
+
+// Radix digit width of the block sorts: 2 passes for L < 1024 (keys up to 10 bits). CUB's rank
+// counters take (2^bits / 2 + 1) * THREADS * 4 bytes of shared memory, 35 KB at 512 threads.
+constexpr int kSortRadixBits = 5;
+
+template <int THREADS, int ITEMS>
+struct BlockSortTypes {
+  using Sort = cub::BlockRadixSort<std::uint16_t, THREADS, ITEMS, std::uint16_t, kSortRadixBits>;
+  using Scan = cub::BlockScan<unsigned long long, THREADS>;
+  using Reduce = cub::BlockReduce<int, THREADS>;
+  union TempStorage {
+    typename Sort::TempStorage sort;
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  };
+};
+
+// Writes the placed picks of a block's sorted keys (striped: sorted position s = j*THREADS + tid)
+// whose position lies in [s_begin, s_end). `base_x` + value = the pick's x.
+template <int THREADS, int ITEMS>
+__device__ __forceinline__ void scatter_sorted(const LayoutParams& p, const ExpertArrays& ex,
+                                               const std::uint16_t (&keys)[ITEMS],
+                                               const std::uint16_t (&values)[ITEMS], int base_x, int s_begin,
+                                               int s_end) {
+  const int L = p.num_local;
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int s = j * THREADS + static_cast<int>(threadIdx.x);
+    const int x = base_x + values[j];
+    if (s < s_begin || s >= s_end || x >= p.num_picks) continue;
+    const int key = keys[j];
+    if (key < L) {
+      const int row = s + ex.delta[key];
+      p.permuted_to_expanded[row] = x;
+      p.permuted_to_token[row] = x / p.top_k;
+      p.expanded_to_permuted[x] = row;
+    } else {
+      p.expanded_to_permuted[x] = -1;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small path: the whole layout of N <= THREADS * ITEMS picks in every block; block g writes
+// slice g of the outputs. `key_of(x, p, dropped)` gives pick x's key (global ids here; the fused
+// route_and_layout kernel reads ids its warps routed into shared memory).
+//
+// Expects: `dyn` holds expert_arrays_bytes(L) of shared memory; everything the keys come from is
+// ready (the caller has passed wait_for_prerequisites / __syncthreads).
+template <int THREADS, int ITEMS, typename KeyOf>
+__device__ __forceinline__ void small_layout_block(const LayoutParams& p, KeyOf key_of,
+                                                   typename BlockSortTypes<THREADS, ITEMS>::TempStorage& tmp,
+                                                   int* dyn) {
+  using Types = BlockSortTypes<THREADS, ITEMS>;
+  const int L = p.num_local;
+  const int N = p.num_picks;
+  const int tid = static_cast<int>(threadIdx.x);
+  const bool first_block = blockIdx.x == 0;
+  const ExpertArrays ex = ExpertArrays::carve(dyn, L);
+  int* hist = ex.delta;  // the histogram lives in delta[] until the scan turns it into deltas
+  for (int i = tid; i < L; i += THREADS) hist[i] = 0;
+  __syncthreads();
+
+  // Blocked arrangement: thread tid holds x = tid*ITEMS + j, so the sort input is in x order and
+  // the stable radix sort keeps ascending x inside each expert.
+  std::uint16_t keys[ITEMS];
+  std::uint16_t values[ITEMS];
+  int dropped = 0;
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int x = tid * ITEMS + j;
+    int key = L;
+    if (x < N) {
+      key = key_of(x, p, dropped);
+      if (key < L) atomicAdd(hist + key, 1);  // a count: its value does not depend on order
+    }
+    keys[j] = static_cast<std::uint16_t>(key);
+    values[j] = static_cast<std::uint16_t>(x);
+  }
+  if (first_block) {
+    const int total_dropped = typename Types::Reduce(tmp.reduce).Sum(dropped);
+    if (tid == 0) p.totals[2] = total_dropped;
+  }
+  __syncthreads();
+
+  // counts -> (exclusive prefix of counts, offsets) in one scan.
+  const std::uint32_t M = static_cast<std::uint32_t>(p.tile_size);
+  const unsigned long long total = scan_runs<THREADS, unsigned long long>(
+      L, tmp.scan,
+      [&](int i) {
+        const std::uint32_t c = static_cast<std::uint32_t>(hist[i]);
+        return pack_pair(padded_count(c, M), c);
+      },
+      [&](int i, unsigned long long prefix) {
+        const int c = hist[i];
+        const int offset = high_half(prefix);
+        ex.offs[i] = offset;
+        ex.ends[i] = offset + c;
+        ex.delta[i] = offset - low_half(prefix);  // overwrites hist[i], which is no longer read
+        if (first_block) {
+          p.counts[i] = c;
+          p.offsets[i] = offset;
+        }
+      });
+  const int padded_total = high_half(total);
+  if (tid == 0) {
+    ex.offs[L] = padded_total;
+    if (first_block) {
+      p.offsets[L] = padded_total;
+      p.totals[0] = padded_total;
+      p.totals[1] = padded_total / p.tile_size;
+    }
+  }
+  __syncthreads();  // ex complete; the scan's storage may be reused by the sort
+
+  typename Types::Sort(tmp.sort).SortBlockedToStriped(keys, values, 0, p.key_bits);
+
+  int s_begin, s_end;
+  part_range(N, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), s_begin, s_end);
+  scatter_sorted<THREADS, ITEMS>(p, ex, keys, values, 0, s_begin, s_end);
+
+  int r_begin, r_end, t_begin, t_end;
+  part_range(p.capacity_rows, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), r_begin, r_end);
+  part_range(p.capacity_tiles, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), t_begin, t_end);
+  fill_rows_and_tiles<THREADS>(p, ex, r_begin, r_end, t_begin, t_end);
+}
+
+template <int THREADS, int ITEMS, typename Id>
+__global__ void __launch_bounds__(THREADS) small_layout_kernel(const LayoutParams p) {
+  __shared__ typename BlockSortTypes<THREADS, ITEMS>::TempStorage tmp;
+  extern __shared__ int dyn[];
+  launch_dependents();
+  wait_for_prerequisites();
+  small_layout_block<THREADS, ITEMS>(p, GlobalIdKeys<Id>{static_cast<const Id*>(p.topk_ids)}, tmp, dyn);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Large path, kernel 1: chunk b's histogram -> chunk_hist[b][0..L), its dropped ids ->
+// chunk_dropped[b]. Striped loads (coalesced); order does not matter for counts.
+template <int THREADS, int ITEMS, typename Id>
+__global__ void __launch_bounds__(THREADS) chunk_histogram_kernel(const LayoutParams p) {
+  using Reduce = cub::BlockReduce<int, THREADS>;
+  __shared__ typename Reduce::TempStorage reduce_storage;
+  extern __shared__ int hist[];
+  const int L = p.num_local;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int b = static_cast<int>(blockIdx.x);
+  for (int i = tid; i < L; i += THREADS) hist[i] = 0;
+  launch_dependents();
+  wait_for_prerequisites();
+  __syncthreads();
+
+  const Id* ids = static_cast<const Id*>(p.topk_ids);
+  const int x0 = b * p.chunk_picks;
+  int dropped = 0;
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int x = x0 + j * THREADS + tid;
+    if (x < p.num_picks) {
+      const int key = local_key(static_cast<long long>(ids[x]), p, dropped);
+      if (key < L) atomicAdd(hist + key, 1);
+    }
+  }
+  const int block_dropped = Reduce(reduce_storage).Sum(dropped);
+  if (tid == 0) p.chunk_dropped[b] = block_dropped;
+  __syncthreads();
+  std::int32_t* out = p.chunk_hist + static_cast<long long>(b) * L;
+  for (int i = tid; i < L; i += THREADS) out[i] = hist[i];
+}
+
+// Large path, kernel 2: for 32 experts per block (a warp's width, so every row read is one
+// coalesced 128-byte line), the exclusive prefix of chunk_hist over chunks, in place, and
+// counts[l] = the column total. Block 0 also sums the dropped counts into totals[2].
+constexpr int kScanRowsY = 16;  // blockDim = (32, kScanRowsY)
+
+__global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const LayoutParams p) {
+  using Reduce = cub::BlockReduce<int, 32, cub::BLOCK_REDUCE_WARP_REDUCTIONS, kScanRowsY>;
+  __shared__ typename Reduce::TempStorage reduce_storage;
+  __shared__ int part_sums[kScanRowsY][33];
+  launch_dependents();
+  wait_for_prerequisites();
+  const int L = p.num_local;
+  const int B = p.num_chunks;
+  const int lane = static_cast<int>(threadIdx.x);
+  const int row_group = static_cast<int>(threadIdx.y);
+  const int l = static_cast<int>(blockIdx.x) * 32 + lane;
+  int b_begin, b_end;
+  part_range(B, row_group, kScanRowsY, b_begin, b_end);
+  std::int32_t* column = p.chunk_hist + l;
+
+  int sum = 0;
+  if (l < L) {
+#pragma unroll 4
+    for (int b = b_begin; b < b_end; ++b) sum += column[static_cast<long long>(b) * L];
+  }
+  part_sums[row_group][lane] = sum;
+  __syncthreads();
+  if (row_group == 0) {
+    int run = 0;
+#pragma unroll
+    for (int y = 0; y < kScanRowsY; ++y) {
+      const int v = part_sums[y][lane];
+      part_sums[y][lane] = run;
+      run += v;
+    }
+    if (l < L) p.counts[l] = run;
+  }
+  __syncthreads();
+  if (l < L) {
+    int run = part_sums[row_group][lane];
+    for (int b = b_begin; b < b_end; ++b) {
+      const long long at = static_cast<long long>(b) * L;
+      const int v = column[at];
+      column[at] = run;
+      run += v;
+    }
+  }
+
+  if (blockIdx.x == 0) {
+    const int flat = row_group * 32 + lane;
+    int dropped = 0;
+    for (int b = flat; b < B; b += 32 * kScanRowsY) dropped += p.chunk_dropped[b];
+    const int total = Reduce(reduce_storage).Sum(dropped);
+    if (flat == 0) p.totals[2] = total;
+  }
+}
+
+// Large path, kernel 3: offsets (every block scans pad(counts) itself: L values, cheaper than
+// another launch), then the chunk's stable sort and scatter, then slice b of the padding rows and
+// tiles. Block 0 writes offsets[] and totals[0..1].
+template <int THREADS, int ITEMS, typename Id>
+__global__ void __launch_bounds__(THREADS) chunk_scatter_kernel(const LayoutParams p) {
+  using Types = BlockSortTypes<THREADS, ITEMS>;
+  __shared__ typename Types::TempStorage tmp;
+  extern __shared__ int dyn[];
+  launch_dependents();
+  wait_for_prerequisites();
+  const int L = p.num_local;
+  const int B = static_cast<int>(gridDim.x);
+  const int b = static_cast<int>(blockIdx.x);
+  const int tid = static_cast<int>(threadIdx.x);
+  const bool first_block = b == 0;
+  const ExpertArrays ex = ExpertArrays::carve(dyn, L);
+
+  // before[l]: picks of l in chunks < b; after[l]: in chunks <= b.
+  const std::int32_t* before = p.chunk_hist + static_cast<long long>(b) * L;
+  const std::int32_t* after = b + 1 < B ? before + L : p.counts;
+  const std::uint32_t M = static_cast<std::uint32_t>(p.tile_size);
+  const unsigned long long total = scan_runs<THREADS, unsigned long long>(
+      L, tmp.scan,
+      [&](int i) {
+        const std::uint32_t c = static_cast<std::uint32_t>(p.counts[i]);
+        const std::uint32_t in_chunk = static_cast<std::uint32_t>(after[i] - before[i]);
+        return pack_pair(padded_count(c, M), in_chunk);
+      },
+      [&](int i, unsigned long long prefix) {
+        const int offset = high_half(prefix);
+        ex.offs[i] = offset;
+        ex.ends[i] = offset + p.counts[i];
+        ex.delta[i] = offset + before[i] - low_half(prefix);
+        if (first_block) p.offsets[i] = offset;
+      });
+  const int padded_total = high_half(total);
+  if (tid == 0) {
+    ex.offs[L] = padded_total;
+    if (first_block) {
+      p.offsets[L] = padded_total;
+      p.totals[0] = padded_total;
+      p.totals[1] = padded_total / p.tile_size;
+    }
+  }
+
+  // The chunk's picks in blocked arrangement (x order), keyed by local expert.
+  const Id* ids = static_cast<const Id*>(p.topk_ids);
+  const int x0 = b * p.chunk_picks;
+  std::uint16_t keys[ITEMS];
+  std::uint16_t values[ITEMS];
+  int unused_dropped = 0;  // counted by kernel 1
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int i = tid * ITEMS + j;
+    const int x = x0 + i;
+    keys[j] = static_cast<std::uint16_t>(
+        x < p.num_picks ? local_key(static_cast<long long>(ids[x]), p, unused_dropped) : L);
+    values[j] = static_cast<std::uint16_t>(i);
+  }
+  __syncthreads();  // ex complete; the scan's storage may be reused by the sort
+
+  typename Types::Sort(tmp.sort).SortBlockedToStriped(keys, values, 0, p.key_bits);
+  scatter_sorted<THREADS, ITEMS>(p, ex, keys, values, x0, 0, THREADS * ITEMS);
+
+  int r_begin, r_end, t_begin, t_end;
+  part_range(p.capacity_rows, b, B, r_begin, r_end);
+  part_range(p.capacity_tiles, b, B, t_begin, t_end);
+  fill_rows_and_tiles<THREADS>(p, ex, r_begin, r_end, t_begin, t_end);
+}
+
+}  // namespace switchyard::cuda::layout_detail

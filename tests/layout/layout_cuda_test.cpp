@@ -645,15 +645,18 @@ TEST(LayoutCuda, GraphCaptureAndReplayWithNewIds) {
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
-  for (const std::int64_t T : {19, 4096, 65536}) {
+  // (T, E): the one-kernel path, both chunked paths, and an L that needs the shared-memory opt-in
+  // (cudaFuncSetAttribute while capturing).
+  for (const auto& [T, E] :
+       {std::pair<std::int64_t, int>{19, 256}, {4096, 256}, {65536, 256}, {4096, 4096}}) {
     Case c;
     c.T = T;
-    c.E = 256;
+    c.E = E;
     c.K = 8;
     c.M = 64;
     c.local = LocalKind::kRange;
-    c.start = 64;
-    c.count = 128;
+    c.start = E / 4;
+    c.count = E / 2;
     c.invalid = true;
     SCOPED_TRACE(describe(c));
     GpuLayoutRun gpu(c);

@@ -107,8 +107,10 @@ Status cuda_status(const char* what, cudaError_t err) {
 constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
 constexpr int kMaxDevicesCached = 64;
 
-template <typename... KernelArgs>
-cudaError_t allow_dynamic_smem(void (*kernel)(KernelArgs...), std::size_t bytes) {
+// kKernel is a template argument so that each kernel has its own cache (every layout kernel has
+// the same signature, so a cache keyed by signature would be shared).
+template <auto kKernel>
+cudaError_t allow_dynamic_smem(std::size_t bytes) {
   if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;
   // The largest opt-in granted so far for this kernel, per device (a host-side cache, so that the
   // attribute call does not repeat on every call).
@@ -118,7 +120,7 @@ cudaError_t allow_dynamic_smem(void (*kernel)(KernelArgs...), std::size_t bytes)
   if (err != cudaSuccess) return err;
   const bool cacheable = device >= 0 && device < kMaxDevicesCached;
   if (cacheable && granted[device].load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (err == cudaSuccess && cacheable) {
     std::size_t seen = granted[device].load(std::memory_order_relaxed);
     while (seen < bytes && !granted[device].compare_exchange_weak(seen, bytes)) {
@@ -127,12 +129,12 @@ cudaError_t allow_dynamic_smem(void (*kernel)(KernelArgs...), std::size_t bytes)
   return err;
 }
 
-template <typename... KernelArgs>
-Status launch(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::size_t smem,
-              cudaStream_t stream, const LayoutParams& p) {
-  cudaError_t err = allow_dynamic_smem(kernel, smem);
+template <auto kKernel, typename... Args>
+Status launch(const char* name, dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+              const Args&... args) {
+  cudaError_t err = allow_dynamic_smem<kKernel>(smem);
   if (err != cudaSuccess) return cuda_status(name, err);
-  err = layout_detail::launch_pdl(kernel, grid, block, smem, stream, p);
+  err = layout_detail::launch_pdl(kKernel, grid, block, smem, stream, args...);
   if (err != cudaSuccess) return cuda_status(name, err);
   return Status::Ok();
 }
@@ -141,9 +143,9 @@ template <int THREADS, int ITEMS, typename Id>
 Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
   const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerSmallBlock), 1, kMaxSmallBlocks);
-  return launch("small_layout_kernel", layout_detail::small_layout_kernel<THREADS, ITEMS, Id>,
-                dim3(static_cast<unsigned>(blocks)), dim3(THREADS),
-                layout_detail::expert_arrays_bytes(p.num_local), stream, p);
+  return launch<layout_detail::small_layout_kernel<THREADS, ITEMS, Id>>(
+      "small_layout_kernel", dim3(static_cast<unsigned>(blocks)), dim3(THREADS),
+      layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
 template <typename Id>
@@ -164,14 +166,15 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
   p.chunk_dropped = reinterpret_cast<std::int32_t*>(base + w.dropped_offset);
   const dim3 chunks(static_cast<unsigned>(p.num_chunks));
   const std::size_t hist_bytes = static_cast<std::size_t>(p.num_local) * sizeof(std::int32_t);
-  SY_RETURN_IF_ERROR(launch("chunk_histogram_kernel",
-                            layout_detail::chunk_histogram_kernel<THREADS, ITEMS, Id>, chunks, dim3(THREADS),
-                            hist_bytes, stream, p));
+  constexpr auto histogram = layout_detail::chunk_histogram_kernel<THREADS, ITEMS, Id>;
+  constexpr auto scatter = layout_detail::chunk_scatter_kernel<THREADS, ITEMS, Id>;
+  SY_RETURN_IF_ERROR(
+      launch<histogram>("chunk_histogram_kernel", chunks, dim3(THREADS), hist_bytes, stream, p));
   const unsigned scan_blocks = static_cast<unsigned>(std::max<long long>(1, ceil_div(p.num_local, 32)));
-  SY_RETURN_IF_ERROR(launch("chunk_scan_kernel", layout_detail::chunk_scan_kernel, dim3(scan_blocks),
-                            dim3(32, layout_detail::kScanRowsY), 0, stream, p));
-  return launch("chunk_scatter_kernel", layout_detail::chunk_scatter_kernel<THREADS, ITEMS, Id>, chunks,
-                dim3(THREADS), layout_detail::expert_arrays_bytes(p.num_local), stream, p);
+  SY_RETURN_IF_ERROR(launch<layout_detail::chunk_scan_kernel>(
+      "chunk_scan_kernel", dim3(scan_blocks), dim3(32, layout_detail::kScanRowsY), 0, stream, p));
+  return launch<scatter>("chunk_scatter_kernel", chunks, dim3(THREADS),
+                         layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
 template <typename Id>

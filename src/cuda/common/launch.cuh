@@ -1,0 +1,83 @@
+// Launch helpers shared by the CUDA backend's operations.
+//
+//   * pdl_wait() / pdl_launch_dependents(): the two device-side controls of programmatic
+//     dependent launch (PDL, sm_90+).
+//   * launch_kernel(): cudaLaunchKernelEx with PDL allowed, returning a Status that names the
+//     kernel and carries cudaGetErrorString on failure.
+//   * dispatch_value<V...>(name, value, f): runtime int -> template constant. Calls
+//     f(std::integral_constant<int, V>{}) for the matching V and returns its Status, or
+//     Unsupported("<name> = 7 is not supported; supported values: 1, 2, 4") on a miss. Replaces
+//     towers of SWITCH macros (STYLE.md).
+//
+// PDL contract for every kernel launched through launch_kernel() with pdl = true:
+//   1. pdl_wait() before the kernel's first global-memory access (read or write). It returns
+//      only after every prerequisite grid has completed and its writes are visible (PTX ISA,
+//      griddepcontrol.wait), so a PDL launch is safe after any predecessor in the stream.
+//   2. pdl_launch_dependents() as early as the kernel likes (right after pdl_wait() is fine):
+//      it only lets the next PDL kernel in the stream be scheduled early, which overlaps its
+//      launch latency with our work; that kernel still waits for all of ours in its pdl_wait().
+// A kernel launched without the attribute runs normally; pdl_wait() is then a no-op.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "switchyard/status.h"
+
+namespace switchyard::cuda {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Status for a failed CUDA runtime call: "<what>: cudaErrorInvalidValue (invalid argument)".
+inline Status cuda_status(const char* what, cudaError_t err) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::CudaError(std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                           ")");
+}
+
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...) through cudaLaunchKernelEx;
+// with `pdl`, programmatic stream serialization is allowed (see the contract above). `name`
+// prefixes the error message. No host synchronization; capturable in a CUDA graph.
+template <typename... KernelArgs, typename... Args>
+Status launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                     std::size_t smem_bytes, cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cuda_status(name, cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Runtime value -> compile-time constant; see the file comment.
+template <int... Values, typename F>
+Status dispatch_value(const char* name, int value, F&& f) {
+  Status result;
+  const bool hit =
+      ((value == Values ? (result = f(std::integral_constant<int, Values>{}), true) : false) || ...);
+  if (hit) return result;
+  std::string allowed;
+  ((allowed += (allowed.empty() ? "" : ", ") + std::to_string(Values)), ...);
+  return Status::Unsupported(std::string(name) + " = " + std::to_string(value) +
+                             " is not supported; supported values: " + allowed);
+}
+
+}  // namespace switchyard::cuda

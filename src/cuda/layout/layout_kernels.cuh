@@ -25,8 +25,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cub/block/block_exchange.cuh>
 #include <cub/block/block_radix_sort.cuh>
-#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/layout/pdl_launch.cuh"
@@ -218,40 +218,83 @@ __device__ __forceinline__ void part_range(int n, int part, int parts, int& begi
 // counters take (2^bits / 2 + 1) * THREADS * 4 bytes of shared memory, 35 KB at 512 threads.
 constexpr int kSortRadixBits = 5;
 
+// Shared memory of a block that sorts THREADS * ITEMS picks; the phases use it one after another
+// (load -> exchange, scan of the experts, sort, row of each pick), separated by __syncthreads.
 template <int THREADS, int ITEMS>
 struct BlockSortTypes {
+  static constexpr int kPicks = THREADS * ITEMS;
   using Sort = cub::BlockRadixSort<std::uint16_t, THREADS, ITEMS, std::uint16_t, kSortRadixBits>;
   using Scan = cub::BlockScan<unsigned long long, THREADS>;
-  using Reduce = cub::BlockReduce<int, THREADS>;
+  using Exchange = cub::BlockExchange<std::uint16_t, THREADS, ITEMS>;
   union TempStorage {
     typename Sort::TempStorage sort;
     typename Scan::TempStorage scan;
-    typename Reduce::TempStorage reduce;
+    typename Exchange::TempStorage exchange;
+    int pick_row[kPicks];  // row of the block's pick i (-1: not placed), for coalesced writes by x
   };
 };
 
-// Writes the placed picks of a block's sorted keys (striped: sorted position s = j*THREADS + tid)
-// whose position lies in [s_begin, s_end). `base_x` + value = the pick's x.
+// The keys of picks [x0, x0 + THREADS*ITEMS) in a blocked arrangement (thread tid holds the picks
+// x0 + tid*ITEMS + j, in x order, as the stable sort needs), read with coalesced striped loads and
+// transposed through shared memory. Picks at or past N get key L. Placed keys are added to `hist`
+// when it is non-null; ids outside [0, E) other than -1 are added to `dropped`.
+template <int THREADS, int ITEMS, typename KeyOf>
+__device__ __forceinline__ void load_keys_blocked(const LayoutParams& p, KeyOf key_of, int x0,
+                                                  std::uint16_t (&keys)[ITEMS], int* hist, int& dropped,
+                                                  typename BlockSortTypes<THREADS, ITEMS>::TempStorage& tmp) {
+  const int L = p.num_local;
+  std::uint16_t striped[ITEMS];
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int x = x0 + j * THREADS + static_cast<int>(threadIdx.x);
+    int key = L;
+    if (x < p.num_picks) {
+      key = key_of(x, p, dropped);
+      if (hist != nullptr && key < L) atomicAdd(hist + key, 1);  // a count: order does not matter
+    }
+    striped[j] = static_cast<std::uint16_t>(key);
+  }
+  typename BlockSortTypes<THREADS, ITEMS>::Exchange(tmp.exchange).StripedToBlocked(striped, keys);
+}
+
+// After the sort (striped: sorted position s = j*THREADS + tid): writes permuted_to_expanded and
+// permuted_to_token of the placed picks whose sorted position lies in [s_begin, s_end), and
+// records every pick's row (or -1) in tmp.pick_row by its index in the block. `x0` + index = x.
+// The caller must __syncthreads() between the sort and this call (pick_row aliases the sort's
+// storage), and before reading pick_row.
 template <int THREADS, int ITEMS>
-__device__ __forceinline__ void scatter_sorted(const LayoutParams& p, const ExpertArrays& ex,
-                                               const std::uint16_t (&keys)[ITEMS],
-                                               const std::uint16_t (&values)[ITEMS], int base_x, int s_begin,
-                                               int s_end) {
+__device__ __forceinline__ void place_sorted(const LayoutParams& p, const ExpertArrays& ex,
+                                             const std::uint16_t (&keys)[ITEMS],
+                                             const std::uint16_t (&index)[ITEMS], int x0, int s_begin,
+                                             int s_end,
+                                             typename BlockSortTypes<THREADS, ITEMS>::TempStorage& tmp) {
   const int L = p.num_local;
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     const int s = j * THREADS + static_cast<int>(threadIdx.x);
-    const int x = base_x + values[j];
-    if (s < s_begin || s >= s_end || x >= p.num_picks) continue;
+    const int x = x0 + index[j];
+    if (x >= p.num_picks) continue;
     const int key = keys[j];
+    int row = -1;
     if (key < L) {
-      const int row = s + ex.delta[key];
-      p.permuted_to_expanded[row] = x;
-      p.permuted_to_token[row] = x / p.top_k;
-      p.expanded_to_permuted[x] = row;
-    } else {
-      p.expanded_to_permuted[x] = -1;
+      row = s + ex.delta[key];
+      if (s >= s_begin && s < s_end) {
+        p.permuted_to_expanded[row] = x;
+        p.permuted_to_token[row] = x / p.top_k;
+      }
     }
+    tmp.pick_row[index[j]] = row;
+  }
+}
+
+// expanded_to_permuted[x] for the block's picks with index in [i_begin, i_end), coalesced.
+template <int THREADS, int ITEMS>
+__device__ __forceinline__ void write_expanded_to_permuted(
+    const LayoutParams& p, int x0, int i_begin, int i_end,
+    const typename BlockSortTypes<THREADS, ITEMS>::TempStorage& tmp) {
+  i_end = min(i_end, p.num_picks - x0);
+  for (int i = i_begin + static_cast<int>(threadIdx.x); i < i_end; i += THREADS) {
+    p.expanded_to_permuted[x0 + i] = tmp.pick_row[i];
   }
 }
 
@@ -265,38 +308,26 @@ __device__ __forceinline__ void scatter_sorted(const LayoutParams& p, const Expe
 template <int THREADS, int ITEMS, typename KeyOf>
 __device__ __forceinline__ void small_layout_block(const LayoutParams& p, KeyOf key_of,
                                                    typename BlockSortTypes<THREADS, ITEMS>::TempStorage& tmp,
-                                                   int* dyn) {
+                                                   int* dyn, int& dropped_total) {
   using Types = BlockSortTypes<THREADS, ITEMS>;
   const int L = p.num_local;
   const int N = p.num_picks;
   const int tid = static_cast<int>(threadIdx.x);
-  const bool first_block = blockIdx.x == 0;
+  const int block = static_cast<int>(blockIdx.x);
+  const int blocks = static_cast<int>(gridDim.x);
+  const bool first_block = block == 0;
   const ExpertArrays ex = ExpertArrays::carve(dyn, L);
   int* hist = ex.delta;  // the histogram lives in delta[] until the scan turns it into deltas
   for (int i = tid; i < L; i += THREADS) hist[i] = 0;
+  if (tid == 0) dropped_total = 0;
   __syncthreads();
 
-  // Blocked arrangement: thread tid holds x = tid*ITEMS + j, so the sort input is in x order and
-  // the stable radix sort keeps ascending x inside each expert.
   std::uint16_t keys[ITEMS];
-  std::uint16_t values[ITEMS];
   int dropped = 0;
-#pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    const int x = tid * ITEMS + j;
-    int key = L;
-    if (x < N) {
-      key = key_of(x, p, dropped);
-      if (key < L) atomicAdd(hist + key, 1);  // a count: its value does not depend on order
-    }
-    keys[j] = static_cast<std::uint16_t>(key);
-    values[j] = static_cast<std::uint16_t>(x);
-  }
-  if (first_block) {
-    const int total_dropped = typename Types::Reduce(tmp.reduce).Sum(dropped);
-    if (tid == 0) p.totals[2] = total_dropped;
-  }
-  __syncthreads();
+  load_keys_blocked<THREADS, ITEMS>(p, key_of, 0, keys, hist, dropped, tmp);
+  if (dropped != 0) atomicAdd(&dropped_total, dropped);  // a sum: order does not matter
+  __syncthreads();  // hist and dropped_total complete; the exchange's storage is free again
+  if (first_block && tid == 0) p.totals[2] = dropped_total;
 
   // counts -> (exclusive prefix of counts, offsets) in one scan.
   const std::uint32_t M = static_cast<std::uint32_t>(p.tile_size);
@@ -328,25 +359,33 @@ __device__ __forceinline__ void small_layout_block(const LayoutParams& p, KeyOf 
   }
   __syncthreads();  // ex complete; the scan's storage may be reused by the sort
 
-  typename Types::Sort(tmp.sort).SortBlockedToStriped(keys, values, 0, p.key_bits);
+  std::uint16_t index[ITEMS];
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) index[j] = static_cast<std::uint16_t>(tid * ITEMS + j);
+  typename Types::Sort(tmp.sort).SortBlockedToStriped(keys, index, 0, p.key_bits);
+  __syncthreads();  // the sort's storage becomes pick_row
 
   int s_begin, s_end;
-  part_range(N, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), s_begin, s_end);
-  scatter_sorted<THREADS, ITEMS>(p, ex, keys, values, 0, s_begin, s_end);
+  part_range(N, block, blocks, s_begin, s_end);
+  place_sorted<THREADS, ITEMS>(p, ex, keys, index, 0, s_begin, s_end, tmp);
+  __syncthreads();
+  write_expanded_to_permuted<THREADS, ITEMS>(p, 0, s_begin, s_end, tmp);  // x slice = same split of N
 
   int r_begin, r_end, t_begin, t_end;
-  part_range(p.capacity_rows, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), r_begin, r_end);
-  part_range(p.capacity_tiles, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), t_begin, t_end);
+  part_range(p.capacity_rows, block, blocks, r_begin, r_end);
+  part_range(p.capacity_tiles, block, blocks, t_begin, t_end);
   fill_rows_and_tiles<THREADS>(p, ex, r_begin, r_end, t_begin, t_end);
 }
 
 template <int THREADS, int ITEMS, typename Id>
 __global__ void __launch_bounds__(THREADS) small_layout_kernel(const LayoutParams p) {
   __shared__ typename BlockSortTypes<THREADS, ITEMS>::TempStorage tmp;
+  __shared__ int dropped_total;
   extern __shared__ int dyn[];
   launch_dependents();
   wait_for_prerequisites();
-  small_layout_block<THREADS, ITEMS>(p, GlobalIdKeys<Id>{static_cast<const Id*>(p.topk_ids)}, tmp, dyn);
+  small_layout_block<THREADS, ITEMS>(p, GlobalIdKeys<Id>{static_cast<const Id*>(p.topk_ids)}, tmp, dyn,
+                                     dropped_total);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -354,13 +393,13 @@ __global__ void __launch_bounds__(THREADS) small_layout_kernel(const LayoutParam
 // chunk_dropped[b]. Striped loads (coalesced); order does not matter for counts.
 template <int THREADS, int ITEMS, typename Id>
 __global__ void __launch_bounds__(THREADS) chunk_histogram_kernel(const LayoutParams p) {
-  using Reduce = cub::BlockReduce<int, THREADS>;
-  __shared__ typename Reduce::TempStorage reduce_storage;
+  __shared__ int dropped_total;
   extern __shared__ int hist[];
   const int L = p.num_local;
   const int tid = static_cast<int>(threadIdx.x);
   const int b = static_cast<int>(blockIdx.x);
   for (int i = tid; i < L; i += THREADS) hist[i] = 0;
+  if (tid == 0) dropped_total = 0;
   launch_dependents();
   wait_for_prerequisites();
   __syncthreads();
@@ -376,9 +415,9 @@ __global__ void __launch_bounds__(THREADS) chunk_histogram_kernel(const LayoutPa
       if (key < L) atomicAdd(hist + key, 1);
     }
   }
-  const int block_dropped = Reduce(reduce_storage).Sum(dropped);
-  if (tid == 0) p.chunk_dropped[b] = block_dropped;
+  if (dropped != 0) atomicAdd(&dropped_total, dropped);
   __syncthreads();
+  if (tid == 0) p.chunk_dropped[b] = dropped_total;
   std::int32_t* out = p.chunk_hist + static_cast<long long>(b) * L;
   for (int i = tid; i < L; i += THREADS) out[i] = hist[i];
 }
@@ -389,15 +428,16 @@ __global__ void __launch_bounds__(THREADS) chunk_histogram_kernel(const LayoutPa
 constexpr int kScanRowsY = 16;  // blockDim = (32, kScanRowsY)
 
 __global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const LayoutParams p) {
-  using Reduce = cub::BlockReduce<int, 32, cub::BLOCK_REDUCE_WARP_REDUCTIONS, kScanRowsY>;
-  __shared__ typename Reduce::TempStorage reduce_storage;
   __shared__ int part_sums[kScanRowsY][33];
-  launch_dependents();
-  wait_for_prerequisites();
-  const int L = p.num_local;
-  const int B = p.num_chunks;
+  __shared__ int dropped_total;
   const int lane = static_cast<int>(threadIdx.x);
   const int row_group = static_cast<int>(threadIdx.y);
+  if (lane == 0 && row_group == 0) dropped_total = 0;
+  launch_dependents();
+  wait_for_prerequisites();
+  __syncthreads();  // dropped_total is zero before anyone adds to it
+  const int L = p.num_local;
+  const int B = p.num_chunks;
   const int l = static_cast<int>(blockIdx.x) * 32 + lane;
   int b_begin, b_end;
   part_range(B, row_group, kScanRowsY, b_begin, b_end);
@@ -409,6 +449,11 @@ __global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const Layou
     for (int b = b_begin; b < b_end; ++b) sum += column[static_cast<long long>(b) * L];
   }
   part_sums[row_group][lane] = sum;
+  if (blockIdx.x == 0) {
+    int dropped = 0;
+    for (int b = row_group * 32 + lane; b < B; b += 32 * kScanRowsY) dropped += p.chunk_dropped[b];
+    if (dropped != 0) atomicAdd(&dropped_total, dropped);
+  }
   __syncthreads();
   if (row_group == 0) {
     int run = 0;
@@ -419,6 +464,7 @@ __global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const Layou
       run += v;
     }
     if (l < L) p.counts[l] = run;
+    if (blockIdx.x == 0 && lane == 0) p.totals[2] = dropped_total;
   }
   __syncthreads();
   if (l < L) {
@@ -430,21 +476,14 @@ __global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const Layou
       run += v;
     }
   }
-
-  if (blockIdx.x == 0) {
-    const int flat = row_group * 32 + lane;
-    int dropped = 0;
-    for (int b = flat; b < B; b += 32 * kScanRowsY) dropped += p.chunk_dropped[b];
-    const int total = Reduce(reduce_storage).Sum(dropped);
-    if (flat == 0) p.totals[2] = total;
-  }
 }
 
 // Large path, kernel 3: offsets (every block scans pad(counts) itself: L values, cheaper than
 // another launch), then the chunk's stable sort and scatter, then slice b of the padding rows and
-// tiles. Block 0 writes offsets[] and totals[0..1].
+// tiles. Block 0 writes offsets[] and totals[0..1]. Two blocks per SM (<= 64 registers at 512
+// threads; ptxas spills 4 bytes for it) so that the 512-chunk grids of T = 262144 take 2 waves.
 template <int THREADS, int ITEMS, typename Id>
-__global__ void __launch_bounds__(THREADS) chunk_scatter_kernel(const LayoutParams p) {
+__global__ void __launch_bounds__(THREADS, 2) chunk_scatter_kernel(const LayoutParams p) {
   using Types = BlockSortTypes<THREADS, ITEMS>;
   __shared__ typename Types::TempStorage tmp;
   extern __shared__ int dyn[];
@@ -456,6 +495,14 @@ __global__ void __launch_bounds__(THREADS) chunk_scatter_kernel(const LayoutPara
   const int tid = static_cast<int>(threadIdx.x);
   const bool first_block = b == 0;
   const ExpertArrays ex = ExpertArrays::carve(dyn, L);
+  const int x0 = b * p.chunk_picks;
+
+  // The chunk's picks in x order, keyed by local expert (dropped ids were counted by kernel 1).
+  std::uint16_t keys[ITEMS];
+  int unused_dropped = 0;
+  load_keys_blocked<THREADS, ITEMS>(p, GlobalIdKeys<Id>{static_cast<const Id*>(p.topk_ids)}, x0, keys,
+                                    nullptr, unused_dropped, tmp);
+  __syncthreads();  // the exchange's storage becomes the scan's
 
   // before[l]: picks of l in chunks < b; after[l]: in chunks <= b.
   const std::int32_t* before = p.chunk_hist + static_cast<long long>(b) * L;
@@ -484,25 +531,16 @@ __global__ void __launch_bounds__(THREADS) chunk_scatter_kernel(const LayoutPara
       p.totals[1] = padded_total / p.tile_size;
     }
   }
+  __syncthreads();  // ex complete; the scan's storage becomes the sort's
 
-  // The chunk's picks in blocked arrangement (x order), keyed by local expert.
-  const Id* ids = static_cast<const Id*>(p.topk_ids);
-  const int x0 = b * p.chunk_picks;
-  std::uint16_t keys[ITEMS];
-  std::uint16_t values[ITEMS];
-  int unused_dropped = 0;  // counted by kernel 1
+  std::uint16_t index[ITEMS];
 #pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    const int i = tid * ITEMS + j;
-    const int x = x0 + i;
-    keys[j] = static_cast<std::uint16_t>(
-        x < p.num_picks ? local_key(static_cast<long long>(ids[x]), p, unused_dropped) : L);
-    values[j] = static_cast<std::uint16_t>(i);
-  }
-  __syncthreads();  // ex complete; the scan's storage may be reused by the sort
-
-  typename Types::Sort(tmp.sort).SortBlockedToStriped(keys, values, 0, p.key_bits);
-  scatter_sorted<THREADS, ITEMS>(p, ex, keys, values, x0, 0, THREADS * ITEMS);
+  for (int j = 0; j < ITEMS; ++j) index[j] = static_cast<std::uint16_t>(tid * ITEMS + j);
+  typename Types::Sort(tmp.sort).SortBlockedToStriped(keys, index, 0, p.key_bits);
+  __syncthreads();  // the sort's storage becomes pick_row
+  place_sorted<THREADS, ITEMS>(p, ex, keys, index, x0, 0, Types::kPicks, tmp);
+  __syncthreads();
+  write_expanded_to_permuted<THREADS, ITEMS>(p, x0, 0, Types::kPicks, tmp);
 
   int r_begin, r_end, t_begin, t_end;
   part_range(p.capacity_rows, b, B, r_begin, r_end);

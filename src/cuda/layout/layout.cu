@@ -8,8 +8,8 @@
 #include <string>
 
 #include "cuda/backend.h"
+#include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
-#include "cuda/layout/pdl_launch.cuh"
 
 namespace switchyard::cuda {
 
@@ -98,10 +98,6 @@ LayoutParams make_params(const detail::LayoutArgs& a) {
   return p;
 }
 
-Status cuda_status(const char* what, cudaError_t err) {
-  return Status::CudaError(std::string("layout: ") + what + ": " + cudaGetErrorString(err));
-}
-
 // Kernels whose static + dynamic shared memory may pass the 48 KB default need an opt-in per
 // device; below this many dynamic bytes every layout kernel stays under it (static <= 36 KB).
 constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
@@ -132,11 +128,9 @@ cudaError_t allow_dynamic_smem(std::size_t bytes) {
 template <auto kKernel, typename... Args>
 Status launch(const char* name, dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
               const Args&... args) {
-  cudaError_t err = allow_dynamic_smem<kKernel>(smem);
+  const cudaError_t err = allow_dynamic_smem<kKernel>(smem);
   if (err != cudaSuccess) return cuda_status(name, err);
-  err = layout_detail::launch_pdl(kKernel, grid, block, smem, stream, args...);
-  if (err != cudaSuccess) return cuda_status(name, err);
-  return Status::Ok();
+  return launch_kernel(name, kKernel, grid, block, smem, stream, /*pdl=*/true, args...);
 }
 
 template <int THREADS, int ITEMS, typename Id>
@@ -144,7 +138,7 @@ Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
   const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerSmallBlock), 1, kMaxSmallBlocks);
   return launch<layout_detail::small_layout_kernel<THREADS, ITEMS, Id>>(
-      "small_layout_kernel", dim3(static_cast<unsigned>(blocks)), dim3(THREADS),
+      "layout: small_layout_kernel", dim3(static_cast<unsigned>(blocks)), dim3(THREADS),
       layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
@@ -169,11 +163,11 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
   constexpr auto histogram = layout_detail::chunk_histogram_kernel<THREADS, ITEMS, Id>;
   constexpr auto scatter = layout_detail::chunk_scatter_kernel<THREADS, ITEMS, Id>;
   SY_RETURN_IF_ERROR(
-      launch<histogram>("chunk_histogram_kernel", chunks, dim3(THREADS), hist_bytes, stream, p));
+      launch<histogram>("layout: chunk_histogram_kernel", chunks, dim3(THREADS), hist_bytes, stream, p));
   const unsigned scan_blocks = static_cast<unsigned>(std::max<long long>(1, ceil_div(p.num_local, 32)));
   SY_RETURN_IF_ERROR(launch<layout_detail::chunk_scan_kernel>(
-      "chunk_scan_kernel", dim3(scan_blocks), dim3(32, layout_detail::kScanRowsY), 0, stream, p));
-  return launch<scatter>("chunk_scatter_kernel", chunks, dim3(THREADS),
+      "layout: chunk_scan_kernel", dim3(scan_blocks), dim3(32, layout_detail::kScanRowsY), 0, stream, p));
+  return launch<scatter>("layout: chunk_scatter_kernel", chunks, dim3(THREADS),
                          layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 

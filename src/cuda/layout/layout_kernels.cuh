@@ -20,6 +20,9 @@
 //         sorts its chunk stably, and writes row = offsets[l] + hist[b][l] + rank in chunk;
 //         then its slice of padding rows and tiles.
 //    The kernel boundaries are the grid-wide barriers; the workspace needs no initialisation.
+//
+// Every kernel follows the PDL contract of cuda/common/launch.cuh: nothing touches global memory
+// before pdl_wait(), so each may be launched early behind any predecessor in the stream.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,7 +32,7 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "cuda/layout/pdl_launch.cuh"
+#include "cuda/common/launch.cuh"
 
 namespace switchyard::cuda::layout_detail {
 
@@ -304,7 +307,7 @@ __device__ __forceinline__ void write_expanded_to_permuted(
 // route_and_layout kernel reads ids its warps routed into shared memory).
 //
 // Expects: `dyn` holds expert_arrays_bytes(L) of shared memory; everything the keys come from is
-// ready (the caller has passed wait_for_prerequisites / __syncthreads).
+// ready (the caller has passed pdl_wait / __syncthreads).
 template <int THREADS, int ITEMS, typename KeyOf>
 __device__ __forceinline__ void small_layout_block(const LayoutParams& p, KeyOf key_of,
                                                    typename BlockSortTypes<THREADS, ITEMS>::TempStorage& tmp,
@@ -382,8 +385,8 @@ __global__ void __launch_bounds__(THREADS) small_layout_kernel(const LayoutParam
   __shared__ typename BlockSortTypes<THREADS, ITEMS>::TempStorage tmp;
   __shared__ int dropped_total;
   extern __shared__ int dyn[];
-  launch_dependents();
-  wait_for_prerequisites();
+  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
+  pdl_wait();
   small_layout_block<THREADS, ITEMS>(p, GlobalIdKeys<Id>{static_cast<const Id*>(p.topk_ids)}, tmp, dyn,
                                      dropped_total);
 }
@@ -400,8 +403,8 @@ __global__ void __launch_bounds__(THREADS) chunk_histogram_kernel(const LayoutPa
   const int b = static_cast<int>(blockIdx.x);
   for (int i = tid; i < L; i += THREADS) hist[i] = 0;
   if (tid == 0) dropped_total = 0;
-  launch_dependents();
-  wait_for_prerequisites();
+  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
+  pdl_wait();
   __syncthreads();
 
   const Id* ids = static_cast<const Id*>(p.topk_ids);
@@ -433,8 +436,8 @@ __global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const Layou
   const int lane = static_cast<int>(threadIdx.x);
   const int row_group = static_cast<int>(threadIdx.y);
   if (lane == 0 && row_group == 0) dropped_total = 0;
-  launch_dependents();
-  wait_for_prerequisites();
+  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
+  pdl_wait();
   __syncthreads();  // dropped_total is zero before anyone adds to it
   const int L = p.num_local;
   const int B = p.num_chunks;
@@ -487,8 +490,8 @@ __global__ void __launch_bounds__(THREADS, 2) chunk_scatter_kernel(const LayoutP
   using Types = BlockSortTypes<THREADS, ITEMS>;
   __shared__ typename Types::TempStorage tmp;
   extern __shared__ int dyn[];
-  launch_dependents();
-  wait_for_prerequisites();
+  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
+  pdl_wait();
   const int L = p.num_local;
   const int B = static_cast<int>(gridDim.x);
   const int b = static_cast<int>(blockIdx.x);

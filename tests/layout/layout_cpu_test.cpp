@@ -170,7 +170,7 @@ LayoutInputs make_inputs(const LayoutCase& c, std::uint64_t seed) {
     }
   }
   const double work = static_cast<double>(c.T) * c.K * c.E;
-  in.ids = work <= 2e6 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
+  in.ids = work <= 2e5 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
                        : fast_random_ids(c.T, c.K, c.E, c.skew, seed, hot);
   if (c.invalid) {
     std::vector<std::int64_t> bad = {-1,

@@ -78,8 +78,8 @@ Status layout_impl(const detail::LayoutArgs& a) {
   const std::int64_t chunk_len = (picks + num_chunks - 1) / num_chunks;
 
   std::vector<std::int32_t> pick_local(static_cast<std::size_t>(picks));
-  std::vector<std::int32_t> cursor(static_cast<std::size_t>(num_chunks * L),
-                                   0);  // histogram, then write cursor
+  // Per chunk and expert: the histogram, turned by the scan into the chunk's next row.
+  std::vector<std::int32_t> cursor(static_cast<std::size_t>(num_chunks * L), 0);
   std::vector<std::int64_t> dropped(static_cast<std::size_t>(num_chunks), 0);
 
   parallel_for(num_chunks, 1, [&](std::int64_t c0, std::int64_t c1) {

@@ -68,6 +68,8 @@ Status layout_workspace_size(const LayoutConfig& config, std::int64_t num_tokens
   SY_RETURN_IF_ERROR(detail::check_layout_config(check, config));
   if (num_tokens < 0) return check.fail_arg("num_tokens", "must be >= 0");
   if (top_k < 1) return check.fail_arg("top_k", "must be >= 1");
+  // A size for a backend this build lacks would be a guess; say so like layout() would.
+  SY_RETURN_IF_ERROR(detail::backend_available("layout_workspace_size", device));
   detail::LayoutArgs shape;
   shape.num_experts = config.num_experts;
   shape.num_local = config.num_local();

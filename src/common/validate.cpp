@@ -53,6 +53,11 @@ Status ArgChecker::tensor(const TensorView& t, const char* name, std::initialize
                           std::initializer_list<std::int64_t> shape, Device device,
                           Contiguity contiguity) const {
   if (t.absent()) return fail_arg(name, "is required but absent");
+  // Before anything reads shape[] or strides[]: both hold kMaxDims entries.
+  if (t.ndim < 0 || t.ndim > kMaxDims) {
+    return fail_arg(name,
+                    "ndim " + std::to_string(t.ndim) + " is outside [0, " + std::to_string(kMaxDims) + "]");
+  }
   bool dtype_ok = false;
   for (DType d : dtypes) dtype_ok = dtype_ok || d == t.dtype;
   if (!dtype_ok) {

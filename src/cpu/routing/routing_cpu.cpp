@@ -124,7 +124,9 @@ Status route(const detail::RouteArgs& args) {
   const std::int64_t grain = std::max<std::int64_t>(1, 65536 / E);
   parallel_for(args.num_tokens, grain, [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> s(E);
-    RowScratch scratch(E, std::max(1, args.config.n_group));
+    // n_group is only validated (1 <= n_group <= E) when a group rule is used; otherwise it is
+    // ignored and may hold anything, so it must not size an allocation.
+    RowScratch scratch(E, args.config.group_rule == GroupRule::kNone ? 1 : args.config.n_group);
     for (std::int64_t t = begin; t < end; ++t) route_row(args, t, s, scratch);
   });
   return Status::Ok();

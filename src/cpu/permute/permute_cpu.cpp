@@ -86,8 +86,9 @@ void combine_impl(const detail::CombineArgs& a) {
       }
       Out* out_row = out + t * H;
       if (a.accumulate) {
-        for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t h = 0; h < H; ++h) {
           out_row[h] = OutFormat::store(acc[h] + OutFormat::load(out_row[h]));
+        }
       } else {
         for (std::int64_t h = 0; h < H; ++h) out_row[h] = OutFormat::store(acc[h]);
       }

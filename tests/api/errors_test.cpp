@@ -554,25 +554,49 @@ TEST(ApiErrors, LayoutBadTensors) {
 
 TEST(ApiErrors, LayoutWorkspaceTooSmallOnCuda) {
   if (!switchyard::built_with_cuda()) GTEST_SKIP() << "no CUDA backend: the CPU layout needs no workspace";
-  LayoutFixture probe;
+  // The first token count whose CUDA layout needs a workspace.
+  const LayoutConfig cfg = LayoutFixture().cfg;
+  constexpr int K = LayoutFixture::K, L = LayoutFixture::L, M = LayoutFixture::M;
+  std::int64_t T = 0;
   std::size_t need = 0;
-  ASSERT_TRUE(
-      switchyard::layout_workspace_size(probe.cfg, LayoutFixture::T, LayoutFixture::K, Device::cuda(0), &need)
-          .ok());
-  if (need == 0) GTEST_SKIP() << "the CUDA layout needs no workspace for this shape";
-  // Validation runs before the device is touched, so host memory labelled CUDA is never read.
+  for (std::int64_t t : {19, 1 << 10, 1 << 14, 1 << 18, 1 << 22}) {
+    ASSERT_TRUE(switchyard::layout_workspace_size(cfg, t, K, Device::cuda(0), &need).ok());
+    T = t;
+    if (need > 0) break;
+  }
+  if (need == 0) GTEST_SKIP() << "the CUDA layout needs no workspace up to T = " << T;
+  // Views of that shape over the fixture's small host buffers, labelled CUDA: validation must
+  // reject the workspace before any device work, so the memory behind them is never touched.
+  const auto cuda_views_of_shape = [T](LayoutFixture& f) {
+    const std::int64_t R = switchyard::max_permuted_rows(T, K, L, M);
+    const std::int64_t N = switchyard::max_tiles(T, K, L, M);
+    f.ids_v = reshaped(f.ids_v, {T, K});
+    f.out.permuted_to_expanded = reshaped(f.out.permuted_to_expanded, {R});
+    f.out.permuted_to_token = reshaped(f.out.permuted_to_token, {R});
+    f.out.expanded_to_permuted = reshaped(f.out.expanded_to_permuted, {T, K});
+    f.out.tile_expert = reshaped(f.out.tile_expert, {N});
+    f.out.tile_row_end = reshaped(f.out.tile_row_end, {N});
+    move_all(f, Device::cuda(0));
+  };
   expect_all_rejected<LayoutFixture>({
       {"workspace one byte short",
-       [need](LayoutFixture& f) {
-         move_all(f, Device::cuda(0));
+       [=](LayoutFixture& f) {
+         cuda_views_of_shape(f);
          f.workspace = f.workspace_buf.data();
          f.workspace_bytes = need - 1;
        },
        "workspace"},
       {"null workspace",
-       [need](LayoutFixture& f) {
-         move_all(f, Device::cuda(0));
+       [=](LayoutFixture& f) {
+         cuda_views_of_shape(f);
          f.workspace = nullptr;
+         f.workspace_bytes = need;
+       },
+       "workspace"},
+      {"workspace + 8 bytes",
+       [=](LayoutFixture& f) {
+         cuda_views_of_shape(f);
+         f.workspace = f.workspace_buf.offset(8);
          f.workspace_bytes = need;
        },
        "workspace"},

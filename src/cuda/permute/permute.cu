@@ -1,9 +1,266 @@
-// CUDA gather and combine (DESIGN.md section 4). TODO(issue 5): implementation pending.
+// CUDA gather and combine launchers (DESIGN.md section 4): pick the vector width the pointers
+// and sizes allow, size the work items, and launch with programmatic dependent launch. No
+// allocation and no host synchronization: every launch can be captured in a CUDA graph.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
 #include "cuda/backend.h"
+#include "cuda/permute/permute_internal.h"
+#include "cuda/permute/permute_kernels.cuh"
 
 namespace switchyard::cuda {
 
-Status gather(const detail::GatherArgs&, Stream) { return Status::Unsupported("gather: CUDA backend not implemented yet"); }
-Status combine(const detail::CombineArgs&, Stream) { return Status::Unsupported("combine: CUDA backend not implemented yet"); }
+namespace {
+
+using permute::CombineParams;
+using permute::GatherParams;
+using permute::kBlockThreads;
+using permute::kWarpSize;
+using permute::kWarpsPerBlock;
+
+Status cuda_failure(const char* op, const char* what, cudaError_t err) {
+  return Status::CudaError(std::string(op) + ": " + what + ": " + cudaGetErrorString(err));
+}
+
+// Resident blocks per SM of a kernel, queried once per kernel (the build targets one
+// architecture, so the answer does not depend on the device).
+int resident_blocks_per_sm(const void* kernel) {
+  static std::mutex mutex;
+  static std::unordered_map<const void*, int> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(kernel);
+  if (found != cache.end()) return found->second;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kBlockThreads, 0) != cudaSuccess ||
+      blocks < 1) {
+    cudaGetLastError();  // not sticky; fall back to one block per SM
+    blocks = 1;
+  }
+  cache.emplace(kernel, blocks);
+  return blocks;
+}
+
+// Launches `kernel(params)` with blocks of kBlockThreads threads: one block per
+// kWarpsPerBlock work items up to the resident limit (the kernels walk their items with a grid
+// stride), with programmatic stream serialization so that the kernel's prologue overlaps the
+// previous kernel's tail (the kernels call cudaGridDependencySynchronize before their first
+// read of inputs).
+template <typename Params>
+Status launch(const char* op, void (*kernel)(Params), std::int64_t work_items, const Params& params,
+              Stream stream) {
+  int device = 0;
+  int sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return cuda_failure(op, "cannot query the device", err);
+  const std::int64_t max_blocks =
+      static_cast<std::int64_t>(sms) * resident_blocks_per_sm(reinterpret_cast<const void*>(kernel));
+  const std::int64_t wanted = (work_items + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const unsigned grid = static_cast<unsigned>(std::max<std::int64_t>(1, std::min(wanted, max_blocks)));
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kBlockThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  err = cudaLaunchKernelEx(&config, kernel, params);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // the status carries it; do not leave it for an unrelated later check
+    return cuda_failure(op, "kernel launch failed", err);
+  }
+  return Status::Ok();
+}
+
+// Splits a row of `row_vecs` vectors into work items of at most `max_steps` steps of `step`
+// vectors, as evenly as the step allows.
+struct Chunking {
+  std::int64_t chunk_vecs = 0;
+  std::int64_t chunks = 1;
+};
+Chunking chunk_row(std::int64_t row_vecs, std::int64_t step, std::int64_t max_steps) {
+  Chunking c;
+  const std::int64_t max_vecs = step * max_steps;
+  c.chunks = std::max<std::int64_t>(1, (row_vecs + max_vecs - 1) / max_vecs);
+  const std::int64_t per_chunk = (row_vecs + c.chunks - 1) / c.chunks;
+  c.chunk_vecs = std::max<std::int64_t>(step, (per_chunk + step - 1) / step * step);
+  return c;
+}
+
+bool aligned(const void* p, std::int64_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+
+// ---------------------------------------------------------------------------------------
+// Gather.
+
+// Widest vector (16, 8, 4, 2 or 1 bytes) that divides the row and both tensors' addressing.
+int gather_vector_bytes(const detail::GatherArgs& a) {
+  const std::int64_t elem = static_cast<std::int64_t>(dtype_size(a.dtype));
+  const std::int64_t row_bytes = a.hidden * elem;
+  const std::int64_t stride_bytes = a.x_row_stride * elem;
+  for (int w = 16; w > 1; w /= 2) {
+    if (row_bytes % w == 0 && stride_bytes % w == 0 && aligned(a.x, w) && aligned(a.x_perm, w)) return w;
+  }
+  return 1;
+}
+
+template <int kVecBytes>
+Status launch_gather(const detail::GatherArgs& a, const std::int32_t* expanded_to_permuted, int top_k,
+                     Stream stream) {
+  const std::int64_t row_bytes = a.hidden * static_cast<std::int64_t>(dtype_size(a.dtype));
+  GatherParams p;
+  p.x = static_cast<const unsigned char*>(a.x);
+  p.x_row_stride_bytes = a.x_row_stride * static_cast<std::int64_t>(dtype_size(a.dtype));
+  const bool scales = a.scale_cols > 0 && a.x_scales != nullptr && a.x_perm_scales != nullptr;
+  p.x_scales = scales ? a.x_scales : nullptr;
+  p.x_perm_scales = scales ? a.x_perm_scales : nullptr;
+  p.scale_cols = scales ? static_cast<int>(a.scale_cols) : 0;
+  p.permuted_to_token = a.permuted_to_token;
+  p.totals = a.totals;
+  p.expanded_to_permuted = expanded_to_permuted;
+  p.top_k = top_k;
+  p.num_tokens = a.num_tokens;
+  p.capacity_rows = a.capacity_rows;
+  p.x_perm = static_cast<unsigned char*>(a.x_perm);
+  p.row_vecs = row_bytes / kVecBytes;
+  const Chunking c = chunk_row(p.row_vecs, kWarpSize, permute::kGatherVecsPerLane);
+  p.chunk_vecs = c.chunk_vecs;
+  p.chunks_per_row = c.chunks;
+  p.zero_fill_padding = a.zero_fill_padding;
+  if (expanded_to_permuted == nullptr) {
+    return launch("gather", permute::gather_rows_kernel<kVecBytes>, a.capacity_rows * c.chunks, p, stream);
+  }
+  const std::int64_t items = std::max(a.num_tokens * c.chunks, (a.capacity_rows + kWarpSize - 1) / kWarpSize);
+  return launch("gather", permute::gather_tokens_kernel<kVecBytes>, items, p, stream);
+}
+
+Status gather_any(const detail::GatherArgs& a, const std::int32_t* expanded_to_permuted, int top_k,
+                  Stream stream) {
+  if (dtype_size(a.dtype) == 0) return Status::Internal("gather: CUDA backend reached with an invalid dtype");
+  switch (gather_vector_bytes(a)) {
+    case 16:
+      return launch_gather<16>(a, expanded_to_permuted, top_k, stream);
+    case 8:
+      return launch_gather<8>(a, expanded_to_permuted, top_k, stream);
+    case 4:
+      return launch_gather<4>(a, expanded_to_permuted, top_k, stream);
+    case 2:
+      return launch_gather<2>(a, expanded_to_permuted, top_k, stream);
+    default:
+      return launch_gather<1>(a, expanded_to_permuted, top_k, stream);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Combine.
+
+template <typename YF, typename OF, int kV, int kKB>
+Status launch_combine(const detail::CombineArgs& a, Stream stream) {
+  constexpr int kUV = permute::combine_vectors_per_step<typename OF::Storage, kV, kKB>();
+  auto kernel = permute::combine_kernel<YF, OF, kV, kKB>;
+  CombineParams p;
+  p.y = static_cast<const unsigned char*>(a.y_perm);
+  p.y_row_stride_bytes = a.y_row_stride * static_cast<std::int64_t>(sizeof(typename YF::Storage));
+  p.expanded_to_permuted = a.expanded_to_permuted;
+  p.capacity_rows = a.capacity_rows;
+  p.weights = a.topk_weights;
+  p.weight_kind = a.topk_weights == nullptr             ? permute::WeightKind::kNone
+                  : a.weights_dtype == DType::kBFloat16 ? permute::WeightKind::kBFloat16
+                                                        : permute::WeightKind::kFloat32;
+  p.out = a.out;
+  p.num_tokens = a.num_tokens;
+  p.top_k = a.top_k;
+  p.row_vecs = a.hidden / kV;
+  p.accumulate = a.accumulate;
+  // Few tokens: one step per work item, so the row spreads over as many warps as it can
+  // (latency). Many tokens: up to 4 steps, so picks' indices and weights load once per 4 steps.
+  const std::int64_t step = static_cast<std::int64_t>(kUV) * kWarpSize;
+  const std::int64_t one_step_items = a.num_tokens * ((p.row_vecs + step - 1) / step);
+  int device = 0;
+  int sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const std::int64_t resident_warps = static_cast<std::int64_t>(sms) *
+                                      resident_blocks_per_sm(reinterpret_cast<const void*>(kernel)) *
+                                      kWarpsPerBlock;
+  const Chunking c = chunk_row(p.row_vecs, step, one_step_items <= 2 * resident_warps ? 1 : 4);
+  p.chunk_vecs = c.chunk_vecs;
+  p.chunks_per_row = c.chunks;
+  return launch("combine", kernel, a.num_tokens * c.chunks, p, stream);
+}
+
+template <typename YF, typename OF>
+Status combine_formats(const detail::CombineArgs& a, Stream stream) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(typename YF::Storage));
+  constexpr int kOutVecBytes = kVec * static_cast<int>(sizeof(typename OF::Storage));
+  const std::int64_t y_elem = static_cast<std::int64_t>(sizeof(typename YF::Storage));
+  const bool vector = a.hidden % kVec == 0 && aligned(a.y_perm, 16) && (a.y_row_stride * y_elem) % 16 == 0 &&
+                      aligned(a.out, std::min(16, kOutVecBytes));
+  const int kb = a.top_k <= 2 ? 2 : (a.top_k <= 4 ? 4 : 8);
+  if (vector) {
+    if (kb == 2) return launch_combine<YF, OF, kVec, 2>(a, stream);
+    if (kb == 4) return launch_combine<YF, OF, kVec, 4>(a, stream);
+    return launch_combine<YF, OF, kVec, 8>(a, stream);
+  }
+  if (kb == 2) return launch_combine<YF, OF, 1, 2>(a, stream);
+  if (kb == 4) return launch_combine<YF, OF, 1, 4>(a, stream);
+  return launch_combine<YF, OF, 1, 8>(a, stream);
+}
+
+// Calls fn(Format{}) for a bf16 / fp16 / fp32 dtype; false for any other.
+template <typename Fn>
+bool with_float_format(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32:
+      fn(permute::Fp32Format{});
+      return true;
+    case DType::kBFloat16:
+      fn(permute::Bf16Format{});
+      return true;
+    case DType::kFloat16:
+      fn(permute::Fp16Format{});
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+Status gather(const detail::GatherArgs& args, Stream stream) { return gather_any(args, nullptr, 0, stream); }
+
+Status gather_token_major(const detail::GatherArgs& args, const std::int32_t* expanded_to_permuted, int top_k,
+                          Stream stream) {
+  if (expanded_to_permuted == nullptr || top_k < 1) {
+    return Status::InvalidArgument("gather: token-major gather needs expanded_to_permuted and top_k >= 1");
+  }
+  if (args.capacity_rows == 0 || args.hidden == 0) return Status::Ok();
+  return gather_any(args, expanded_to_permuted, top_k, stream);
+}
+
+Status combine(const detail::CombineArgs& args, Stream stream) {
+  if (args.topk_weights != nullptr && args.weights_dtype != DType::kFloat32 &&
+      args.weights_dtype != DType::kBFloat16) {
+    return Status::Internal("combine: CUDA backend reached with weights dtype " +
+                            std::string(dtype_name(args.weights_dtype)));
+  }
+  Status status =
+      Status::Internal("combine: CUDA backend reached with y dtype " + std::string(dtype_name(args.y_dtype)) +
+                       " and out dtype " + std::string(dtype_name(args.out_dtype)));
+  with_float_format(args.y_dtype, [&](auto y_format) {
+    with_float_format(args.out_dtype, [&](auto out_format) {
+      status = combine_formats<decltype(y_format), decltype(out_format)>(args, stream);
+    });
+  });
+  return status;
+}
 
 }  // namespace switchyard::cuda

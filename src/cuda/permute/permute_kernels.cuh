@@ -1,0 +1,489 @@
+// Gather and combine kernels (DESIGN.md section 4). Launchers live in permute.cu; these
+// kernels know raw pointers and sizes only.
+//
+// Both operations are pure data movement, so the design goal is "enough bytes in flight":
+// HBM3e on an H200 needs roughly bandwidth x latency ~ 4.8 TB/s x ~0.8 us ~ 4 MB in flight,
+// ~30 KB per SM. Every warp therefore issues all loads of a work item (up to 8 x 16 B per
+// lane) before the first use, and the grid is sized to the resident-block limit, walking work
+// items with a grid stride (the number of items is only known on the device: padded_total).
+//
+// Work items are (row, column chunk) pairs handled by one warp; a chunk holds at most 8
+// vectors per lane. Splitting a row into chunks keeps small-T calls (a handful of rows)
+// spread across many SMs, which is what makes them latency- rather than bandwidth-bound.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/numeric.h"
+
+namespace switchyard::cuda::permute {
+
+constexpr int kWarpSize = 32;
+constexpr int kBlockThreads = 256;
+constexpr int kWarpsPerBlock = kBlockThreads / kWarpSize;
+// Vectors each lane moves per gather work item, all loads issued before the first store.
+constexpr int kGatherVecsPerLane = 8;
+// Loads in flight per lane and per step of a combine work item (K rows x vectors).
+constexpr int kCombineLoadsPerStep = 8;
+// At least 2 x 256 threads x 8 x 16 B = 64 KB of loads in flight per SM (caps registers at 128).
+constexpr int kCombineMinBlocksPerSm = 2;
+
+// ---------------------------------------------------------------------------------------
+// Small device helpers.
+
+// An unsigned integer (or CUDA vector) type of exactly kBytes bytes, kBytes in 1..16.
+template <int kBytes>
+struct VecType;
+template <>
+struct VecType<16> {
+  using type = uint4;
+};
+template <>
+struct VecType<8> {
+  using type = uint2;
+};
+template <>
+struct VecType<4> {
+  using type = unsigned int;
+};
+template <>
+struct VecType<2> {
+  using type = unsigned short;
+};
+template <>
+struct VecType<1> {
+  using type = unsigned char;
+};
+
+// Element formats: storage type and fp32 conversions, bit-identical to those of
+// common/numeric.h that the CPU oracle uses. The hardware conversions (one cvt each) round to
+// nearest even exactly like numeric.h for every non-NaN value; for NaN, numeric.h's quiet-NaN
+// patterns are produced explicitly. fp16 -> fp32 by cvt is exact for every non-NaN half, and a
+// NaN only ever reaches an fma or add here, whose NaN result does not depend on the payload.
+struct Fp32Format {
+  using Storage = float;
+  static __device__ __forceinline__ float to_float(float v) { return v; }
+  static __device__ __forceinline__ float from_float(float f) { return f; }
+};
+struct Bf16Format {
+  using Storage = std::uint16_t;
+  static __device__ __forceinline__ float to_float(std::uint16_t v) { return detail::bf16_to_float(v); }
+  static __device__ __forceinline__ std::uint16_t from_float(float f) {
+    const std::uint16_t rounded = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    return f != f ? static_cast<std::uint16_t>((__float_as_uint(f) >> 16) | 0x40u) : rounded;
+  }
+};
+struct Fp16Format {
+  using Storage = std::uint16_t;
+  static __device__ __forceinline__ float to_float(std::uint16_t v) {
+    return __half2float(__ushort_as_half(v));
+  }
+  static __device__ __forceinline__ std::uint16_t from_float(float f) {
+    const std::uint16_t rounded = __half_as_ushort(__float2half_rn(f));
+    return f != f ? static_cast<std::uint16_t>(((__float_as_uint(f) >> 16) & 0x8000u) | 0x7e00u) : rounded;
+  }
+};
+
+// Copies kBytes between 16-byte-or-less aligned locations as the widest vectors that fit; used
+// to move a register array (declared alignas(16)) to or from global memory.
+template <int kBytes>
+__device__ __forceinline__ void store_vector(void* dst, const void* src) {
+  constexpr int kPiece = kBytes < 16 ? kBytes : 16;
+  using V = typename VecType<kPiece>::type;
+#pragma unroll
+  for (int i = 0; i < kBytes / kPiece; ++i) static_cast<V*>(dst)[i] = static_cast<const V*>(src)[i];
+}
+template <int kBytes>
+__device__ __forceinline__ void load_vector(void* dst, const void* src) {
+  constexpr int kPiece = kBytes < 16 ? kBytes : 16;
+  using V = typename VecType<kPiece>::type;
+#pragma unroll
+  for (int i = 0; i < kBytes / kPiece; ++i) static_cast<V*>(dst)[i] = static_cast<const V*>(src)[i];
+}
+
+// Walks work items item = warp, warp + num_warps, ... of a grid of `rows` x `chunks` items
+// without a 64-bit division per step: the stride is split once into whole rows and chunks.
+struct ItemWalker {
+  std::int64_t row;
+  std::int64_t chunk;
+  std::int64_t chunks;
+  std::int64_t step_rows;
+  std::int64_t step_chunks;
+
+  __device__ __forceinline__ ItemWalker(std::int64_t first_item, std::int64_t stride,
+                                        std::int64_t chunks_per_row)
+      : row(first_item / chunks_per_row),
+        chunk(first_item % chunks_per_row),
+        chunks(chunks_per_row),
+        step_rows(stride / chunks_per_row),
+        step_chunks(stride % chunks_per_row) {}
+  __device__ __forceinline__ void advance() {
+    row += step_rows;
+    chunk += step_chunks;
+    if (chunk >= chunks) {
+      chunk -= chunks;
+      ++row;
+    }
+  }
+};
+
+__device__ __forceinline__ std::int64_t global_warp() {
+  return (static_cast<std::int64_t>(blockIdx.x) * kBlockThreads + threadIdx.x) / kWarpSize;
+}
+__device__ __forceinline__ std::int64_t num_warps() {
+  return static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock;
+}
+__device__ __forceinline__ std::int64_t clamp_rows(std::int32_t padded_total, std::int64_t capacity_rows) {
+  const std::int64_t v = padded_total;
+  return v < 0 ? 0 : (v > capacity_rows ? capacity_rows : v);
+}
+
+// ---------------------------------------------------------------------------------------
+// Gather.
+
+struct GatherParams {
+  const unsigned char* x = nullptr;  // [T, x_row_stride_bytes]
+  std::int64_t x_row_stride_bytes = 0;
+  const float* x_scales = nullptr;  // [T, scale_cols] or null
+  float* x_perm_scales = nullptr;   // [R, scale_cols] or null
+  int scale_cols = 0;
+  const std::int32_t* permuted_to_token = nullptr;     // [R]
+  const std::int32_t* totals = nullptr;                // totals[0] = padded_total
+  const std::int32_t* expanded_to_permuted = nullptr;  // [T,K], token-major kernel only
+  int top_k = 0;                                       // token-major kernel only
+  std::int64_t num_tokens = 0;
+  std::int64_t capacity_rows = 0;
+  unsigned char* x_perm = nullptr;  // [R, row_vecs * kVecBytes], contiguous
+  std::int64_t row_vecs = 0;        // vectors per row
+  std::int64_t chunk_vecs = 0;      // vectors per work item, <= 32 * kGatherVecsPerLane
+  std::int64_t chunks_per_row = 1;
+  bool zero_fill_padding = false;
+};
+
+// Moves one chunk of a row: the source row of token `token` (or zeros when token < 0) to
+// destination row `dst_row`, and the row's scales when this is chunk 0.
+template <int kVecBytes>
+__device__ __forceinline__ void load_chunk(const GatherParams& p, std::int64_t token, std::int64_t chunk,
+                                           int lane,
+                                           typename VecType<kVecBytes>::type (&buf)[kGatherVecsPerLane]) {
+  using V = typename VecType<kVecBytes>::type;
+  const std::int64_t first = chunk * p.chunk_vecs;
+  const std::int64_t n = min(p.chunk_vecs, p.row_vecs - first);
+  const V* src = reinterpret_cast<const V*>(p.x + token * p.x_row_stride_bytes) + first;
+#pragma unroll
+  for (int j = 0; j < kGatherVecsPerLane; ++j) {
+    const std::int64_t v = j * kWarpSize + lane;
+    if (v < n) buf[j] = __ldg(src + v);
+  }
+}
+
+template <int kVecBytes>
+__device__ __forceinline__ void store_chunk(
+    const GatherParams& p, std::int64_t dst_row, std::int64_t chunk, int lane,
+    const typename VecType<kVecBytes>::type (&buf)[kGatherVecsPerLane]) {
+  using V = typename VecType<kVecBytes>::type;
+  const std::int64_t first = chunk * p.chunk_vecs;
+  const std::int64_t n = min(p.chunk_vecs, p.row_vecs - first);
+  V* dst = reinterpret_cast<V*>(p.x_perm + dst_row * p.row_vecs * kVecBytes) + first;
+#pragma unroll
+  for (int j = 0; j < kGatherVecsPerLane; ++j) {
+    const std::int64_t v = j * kWarpSize + lane;
+    if (v < n) dst[v] = buf[j];
+  }
+}
+
+// Scales of token `token` (zeros when token < 0) to row `dst_row`.
+__device__ __forceinline__ void copy_scales(const GatherParams& p, std::int64_t token, std::int64_t dst_row,
+                                            int lane) {
+  if (p.scale_cols <= 0 || p.x_scales == nullptr || p.x_perm_scales == nullptr) return;
+  for (int c = lane; c < p.scale_cols; c += kWarpSize) {
+    p.x_perm_scales[dst_row * p.scale_cols + c] =
+        token >= 0 ? __ldg(p.x_scales + token * p.scale_cols + c) : 0.0f;
+  }
+}
+
+// Row-order gather, the API's contract read literally: for every row p < padded_total, one
+// warp per (p, chunk) copies x[permuted_to_token[p]] or zero-fills a padding row. Each token
+// row is read once per copy, so for x larger than L2 it reads K rows per token from HBM.
+template <int kVecBytes>
+__global__ void __launch_bounds__(kBlockThreads) gather_rows_kernel(const GatherParams p) {
+  using V = typename VecType<kVecBytes>::type;
+  const int lane = threadIdx.x % kWarpSize;
+  ItemWalker it(global_warp(), num_warps(), p.chunks_per_row);
+  cudaGridDependencySynchronize();  // the layout and x come from earlier kernels
+  // The first item's token is fetched together with padded_total (one round trip, not two).
+  std::int32_t token = it.row < p.capacity_rows ? __ldg(p.permuted_to_token + it.row) : -1;
+  const std::int64_t rows = clamp_rows(__ldg(p.totals), p.capacity_rows);
+  while (it.row < rows) {
+    const std::int64_t row = it.row;
+    const std::int64_t chunk = it.chunk;
+    it.advance();
+    // Prefetch the next item's token so that its load overlaps this item's copy.
+    const std::int32_t next_token = it.row < rows ? __ldg(p.permuted_to_token + it.row) : -1;
+    const bool real = token >= 0 && token < p.num_tokens;
+    if (real || p.zero_fill_padding) {
+      V buf[kGatherVecsPerLane];
+      if (real) {
+        load_chunk<kVecBytes>(p, token, chunk, lane, buf);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kGatherVecsPerLane; ++j) buf[j] = V{};
+      }
+      store_chunk<kVecBytes>(p, row, chunk, lane, buf);
+      if (chunk == 0) copy_scales(p, real ? token : -1, row, lane);
+    }
+    token = next_token;
+  }
+  cudaTriggerProgrammaticLaunchCompletion();
+}
+
+// Token-major gather: the same result as gather_rows_kernel for any input, but each token row
+// is read from memory once and written to all its K rows (bytes moved: T rows read + rows
+// written, against K reads per token in row order).
+//   Phase 1, items (token t, chunk): destinations are the rows r = expanded_to_permuted[t,k]
+//     with r < padded_total and permuted_to_token[r] == t (the check makes it exact even for an
+//     inconsistent layout). Tokens with no destination are never read.
+//   Phase 2, items (32 rows): every row p < padded_total that phase 1 does not write - a
+//     padding row when zero-filling, or a token row that no expanded_to_permuted entry points
+//     to (impossible for a layout made by layout()) - is handled here in row order.
+// The two phases write disjoint rows, so they need no ordering between them.
+template <int kVecBytes>
+__global__ void __launch_bounds__(kBlockThreads) gather_tokens_kernel(const GatherParams p) {
+  using V = typename VecType<kVecBytes>::type;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t warp = global_warp();
+  const std::int64_t warps = num_warps();
+  const int K = p.top_k;
+  cudaGridDependencySynchronize();
+  const std::int64_t rows = clamp_rows(__ldg(p.totals), p.capacity_rows);
+
+  // Phase 1.
+  for (ItemWalker it(warp, warps, p.chunks_per_row); it.row < p.num_tokens; it.advance()) {
+    const std::int64_t t = it.row;
+    const std::int32_t* picks = p.expanded_to_permuted + t * K;
+    for (int k0 = 0; k0 < K; k0 += kWarpSize) {
+      // Lane j checks pick k0 + j.
+      std::int64_t r = -1;
+      if (k0 + lane < K) r = __ldg(picks + k0 + lane);
+      bool dest = r >= 0 && r < rows;
+      if (dest) dest = __ldg(p.permuted_to_token + r) == t;
+      unsigned mask = __ballot_sync(0xffffffffu, dest);
+      if (mask == 0) continue;
+      V buf[kGatherVecsPerLane];
+      load_chunk<kVecBytes>(p, t, it.chunk, lane, buf);
+      while (mask != 0) {  // destinations in k order
+        const int j = __ffs(mask) - 1;
+        mask &= mask - 1;
+        const std::int64_t dst_row = __shfl_sync(0xffffffffu, r, j);
+        store_chunk<kVecBytes>(p, dst_row, it.chunk, lane, buf);
+        if (it.chunk == 0) copy_scales(p, t, dst_row, lane);
+      }
+    }
+  }
+
+  // Phase 2.
+  const std::int64_t groups = (rows + kWarpSize - 1) / kWarpSize;
+  for (std::int64_t g = warp; g < groups; g += warps) {
+    const std::int64_t row = g * kWarpSize + lane;
+    bool todo = false;
+    std::int32_t token = -1;
+    if (row < rows) {
+      token = __ldg(p.permuted_to_token + row);
+      if (token >= 0 && token < p.num_tokens) {
+        bool covered = false;
+        for (int k = 0; k < K; ++k)
+          covered |= __ldg(p.expanded_to_permuted + static_cast<std::int64_t>(token) * K + k) == row;
+        todo = !covered;
+      } else {
+        token = -1;
+        todo = p.zero_fill_padding;
+      }
+    }
+    unsigned mask = __ballot_sync(0xffffffffu, todo);
+    while (mask != 0) {
+      const int j = __ffs(mask) - 1;
+      mask &= mask - 1;
+      const std::int64_t dst_row = g * kWarpSize + j;
+      const std::int64_t src_token = __shfl_sync(0xffffffffu, token, j);
+      for (std::int64_t chunk = 0; chunk < p.chunks_per_row; ++chunk) {
+        V buf[kGatherVecsPerLane];
+        if (src_token >= 0) {
+          load_chunk<kVecBytes>(p, src_token, chunk, lane, buf);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kGatherVecsPerLane; ++i) buf[i] = V{};
+        }
+        store_chunk<kVecBytes>(p, dst_row, chunk, lane, buf);
+      }
+      copy_scales(p, src_token, dst_row, lane);
+    }
+  }
+  cudaTriggerProgrammaticLaunchCompletion();
+}
+
+// ---------------------------------------------------------------------------------------
+// Combine.
+
+enum class WeightKind : int { kNone = 0, kFloat32 = 1, kBFloat16 = 2 };
+
+struct CombineParams {
+  const unsigned char* y = nullptr;  // [R, y_row_stride_bytes]
+  std::int64_t y_row_stride_bytes = 0;
+  const std::int32_t* expanded_to_permuted = nullptr;  // [T,K]
+  std::int64_t capacity_rows = 0;
+  const void* weights = nullptr;  // [T,K] or null
+  WeightKind weight_kind = WeightKind::kNone;
+  void* out = nullptr;  // [T, H] contiguous
+  std::int64_t num_tokens = 0;
+  int top_k = 0;
+  std::int64_t row_vecs = 0;        // H / kV
+  std::int64_t chunk_vecs = 0;      // vectors per work item, a multiple of the step width
+  std::int64_t chunks_per_row = 1;  // per token
+  bool accumulate = false;
+};
+
+// One batch of up to kKB picks of a token: source row of each (-1: not placed) and its weight.
+// Every index and weight load is issued before any of them is used: no load waits on a branch
+// that depends on an earlier one.
+template <int kKB>
+struct PickBatch {
+  std::int32_t row[kKB];
+  float weight[kKB];
+
+  __device__ __forceinline__ void load(const CombineParams& p, std::int64_t t, int k0) {
+    const std::int64_t first = t * p.top_k + k0;
+#pragma unroll
+    for (int i = 0; i < kKB; ++i) row[i] = k0 + i < p.top_k ? __ldg(p.expanded_to_permuted + first + i) : -1;
+    if (p.weight_kind == WeightKind::kFloat32) {
+      const float* w = static_cast<const float*>(p.weights) + first;
+#pragma unroll
+      for (int i = 0; i < kKB; ++i) weight[i] = k0 + i < p.top_k ? __ldg(w + i) : 0.0f;
+    } else if (p.weight_kind == WeightKind::kBFloat16) {
+      const unsigned short* w = static_cast<const unsigned short*>(p.weights) + first;
+#pragma unroll
+      for (int i = 0; i < kKB; ++i) weight[i] = k0 + i < p.top_k ? detail::bf16_to_float(__ldg(w + i)) : 0.0f;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kKB; ++i) weight[i] = 1.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kKB; ++i) {
+      if (row[i] >= p.capacity_rows) row[i] = -1;  // negative: not placed already
+    }
+  }
+};
+
+// acc[u][e] = fma(w_k, y[r_k][vec[u] * kV + e], acc[u][e]) for the batch's picks in k order,
+// for this lane's kUV vectors (vector indices within the row; those >= vec_end are out of this
+// item). All kKB * kUV loads are issued before the first fma.
+template <typename YF, int kV, int kKB, int kUV>
+__device__ __forceinline__ void accumulate_batch(const CombineParams& p, const PickBatch<kKB>& batch,
+                                                 const int (&vec)[kUV], int vec_end, float (&acc)[kUV][kV]) {
+  using Y = typename YF::Storage;
+  constexpr int kYBytes = kV * static_cast<int>(sizeof(Y));
+  using YV = typename VecType<kYBytes>::type;
+  YV raw[kKB][kUV];
+#pragma unroll
+  for (int i = 0; i < kKB; ++i) {
+    const YV* src =
+        reinterpret_cast<const YV*>(p.y + static_cast<std::int64_t>(batch.row[i]) * p.y_row_stride_bytes);
+#pragma unroll
+    for (int u = 0; u < kUV; ++u) {
+      // y_perm is read exactly once: stream it past L1 and let L2 evict it first.
+      if (batch.row[i] >= 0 && vec[u] < vec_end) raw[i][u] = __ldcs(src + vec[u]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kKB; ++i) {
+    if (batch.row[i] < 0) continue;
+#pragma unroll
+    for (int u = 0; u < kUV; ++u) {
+      Y vals[kV];
+      static_assert(sizeof(vals) == sizeof(YV), "vector and element array sizes differ");
+      *reinterpret_cast<YV*>(vals) = raw[i][u];
+#pragma unroll
+      for (int e = 0; e < kV; ++e) acc[u][e] = __fmaf_rn(batch.weight[i], YF::to_float(vals[e]), acc[u][e]);
+    }
+  }
+}
+
+// Vectors per lane and step: enough to keep kCombineLoadsPerStep loads in flight, halved when
+// the output vector is 32 bytes (fp32 out of 16-bit y), whose accumulators would otherwise
+// push the kernel past 128 registers.
+template <typename Out, int kV, int kKB>
+constexpr int combine_vectors_per_step() {
+  const int uv = kCombineLoadsPerStep / kKB > 0 ? kCombineLoadsPerStep / kKB : 1;
+  return kV * static_cast<int>(sizeof(Out)) > 16 && uv > 1 ? uv / 2 : uv;
+}
+
+// out[t] = cast(sum_k w[t,k] * y[e2p[t,k]] (+ out[t])). Work items are (token, chunk of
+// columns); a lane handles kUV vectors of kV columns per step and loads kKB picks of each at
+// once (kKB * kUV = 8 loads in flight), batch after batch when K > kKB. Vectors are
+// accumulated in k order from 0.0f with fma: the CPU oracle's exact operation sequence.
+template <typename YF, typename OF, int kV, int kKB>
+__global__ void __launch_bounds__(kBlockThreads, kCombineMinBlocksPerSm)
+    combine_kernel(const CombineParams p) {
+  using Out = typename OF::Storage;
+  constexpr int kUV = combine_vectors_per_step<Out, kV, kKB>();
+  constexpr int kOutBytes = kV * static_cast<int>(sizeof(Out));
+  const int lane = threadIdx.x % kWarpSize;
+  Out* out = static_cast<Out*>(p.out);
+  const std::int64_t H = p.row_vecs * kV;
+  cudaGridDependencySynchronize();
+  for (ItemWalker it(global_warp(), num_warps(), p.chunks_per_row); it.row < p.num_tokens; it.advance()) {
+    const std::int64_t t = it.row;
+    const std::int64_t first = it.chunk * p.chunk_vecs;
+    const std::int64_t n = min(p.chunk_vecs, p.row_vecs - first);
+    // K <= kKB (the common case): the picks' rows and weights load once per item.
+    const bool one_batch = p.top_k <= kKB;
+    PickBatch<kKB> batch0;
+    if (one_batch) batch0.load(p, t, 0);
+    Out* out_row = out + t * H;
+    const int vec_end = static_cast<int>(first + n);
+    for (int base = static_cast<int>(first); base < vec_end; base += kUV * kWarpSize) {
+      int vec[kUV];
+#pragma unroll
+      for (int u = 0; u < kUV; ++u) vec[u] = base + u * kWarpSize + lane;
+      alignas(16) Out prior[kUV][kV];
+      if (p.accumulate) {  // issued first so that it overlaps the y loads
+#pragma unroll
+        for (int u = 0; u < kUV; ++u) {
+          if (vec[u] < vec_end) load_vector<kOutBytes>(prior[u], out_row + vec[u] * kV);
+        }
+      }
+      float acc[kUV][kV];
+#pragma unroll
+      for (int u = 0; u < kUV; ++u) {
+#pragma unroll
+        for (int e = 0; e < kV; ++e) acc[u][e] = 0.0f;
+      }
+      if (one_batch) {
+        accumulate_batch<YF, kV, kKB, kUV>(p, batch0, vec, vec_end, acc);
+      } else {
+        for (int k0 = 0; k0 < p.top_k; k0 += kKB) {
+          PickBatch<kKB> batch;
+          batch.load(p, t, k0);
+          accumulate_batch<YF, kV, kKB, kUV>(p, batch, vec, vec_end, acc);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUV; ++u) {
+        if (vec[u] >= vec_end) continue;
+        alignas(16) Out result[kV];
+#pragma unroll
+        for (int e = 0; e < kV; ++e) {
+          const float a = p.accumulate ? __fadd_rn(acc[u][e], OF::to_float(prior[u][e])) : acc[u][e];
+          result[e] = OF::from_float(a);
+        }
+        store_vector<kOutBytes>(out_row + vec[u] * kV, result);
+      }
+    }
+  }
+  cudaTriggerProgrammaticLaunchCompletion();
+}
+
+}  // namespace switchyard::cuda::permute

@@ -50,7 +50,8 @@ struct LayoutConfig {
 Status validate(const LayoutConfig& config);
 
 // Capacity of every permuted-row array for T tokens, K picks, L local experts and tile M:
-// T*K + min(L, T*K) * (M - 1), a bound on padded_total from shapes alone.
+// T*K + min(L, T*K) * (M - 1) (0 when L = 0: nothing can be placed), a bound on padded_total
+// from shapes alone.
 std::int64_t max_permuted_rows(std::int64_t num_tokens, int top_k, int num_local, int tile_size);
 // Capacity of the tile arrays: ceil(max_permuted_rows / M).
 std::int64_t max_tiles(std::int64_t num_tokens, int top_k, int num_local, int tile_size);

@@ -4,7 +4,7 @@ of the library's Status to Python exceptions. Everything here works without PyTo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 from . import _ext
 

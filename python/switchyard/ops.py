@@ -182,8 +182,8 @@ def _workspace_for(topk_ids_shape: Tuple[int, int], num_experts: int, tile_size:
     try:
         size = layout_workspace_size(topk_ids_shape[0], max(topk_ids_shape[1], 1), num_experts, tile_size, local,
                                      device)
-    except (ValueError, TypeError):
-        size = 0  # the layout call itself reports the bad configuration, naming it
+    except (ValueError, TypeError, NotImplementedError):
+        size = 0  # the layout call itself reports the bad configuration or device, naming it
     return torch.empty(size, dtype=torch.uint8, device=device)
 
 

@@ -1,8 +1,75 @@
-// CUDA routing kernels (DESIGN.md section 2). TODO(issue 3): implementation pending.
+// CUDA routing (DESIGN.md section 2): one launch, rows spread over warps. The arithmetic and
+// the per-row algorithm live in route_warp.cuh (shared with fused kernels); this file holds the
+// kernel and its launcher. Compiled with -fmad=false (see src/CMakeLists.txt).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
 #include "cuda/backend.h"
+#include "cuda/common/launch.cuh"
+#include "cuda/routing/route_warp.cuh"
 
 namespace switchyard::cuda {
 
-Status route(const detail::RouteArgs&, Stream) { return Status::Unsupported("route: CUDA backend not implemented yet"); }
+namespace {
+
+using routing::RouteParams;
+
+constexpr int kWarpsPerBlock = 8;                    // 256 threads: many rows in flight per SM
+constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute needed
+
+template <class Shape>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) route_kernel(const RouteParams p) {
+  pdl_wait();  // before any global access (launch.cuh PDL contract)
+  // Every later kernel only reads our outputs after its own pdl_wait(), which waits for this
+  // whole grid: letting it be scheduled now is safe and hides its launch latency.
+  pdl_launch_dependents();
+  extern __shared__ __align__(16) unsigned char route_smem[];
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * warps + warp) * Shape::kRowsPerWarp;
+  if (first_row >= p.num_tokens) return;  // whole warp: no block-level barrier follows
+  unsigned char* warp_smem =
+      p.smem_row_bytes == 0
+          ? nullptr
+          : route_smem + static_cast<std::size_t>(warp) * routing::route_smem_bytes_per_warp<Shape>(p);
+  routing::route_warp<Shape>(p, first_row, warp_smem, nullptr);
+}
+
+template <class Shape>
+Status launch_route(const RouteParams& p, cudaStream_t stream) {
+  const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(p);
+  int warps_per_block = kWarpsPerBlock;
+  if (smem_per_warp > 0) {
+    const std::size_t fit = kMaxSmemPerBlock / smem_per_warp;
+    if (fit == 0) {
+      return Status::Unsupported("route: the group limit needs " + std::to_string(smem_per_warp) +
+                                 " bytes of shared memory per warp, more than the " +
+                                 std::to_string(kMaxSmemPerBlock) + " available");
+    }
+    warps_per_block = static_cast<int>(std::min<std::size_t>(kWarpsPerBlock, fit));
+  }
+  const std::int64_t rows_per_block = static_cast<std::int64_t>(warps_per_block) * Shape::kRowsPerWarp;
+  const std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
+  if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
+  return launch_kernel("route: kernel launch", route_kernel<Shape>, dim3(static_cast<unsigned>(blocks)),
+                       dim3(static_cast<unsigned>(warps_per_block * 32)), smem_per_warp * warps_per_block,
+                       stream, /*pdl=*/true, p);
+}
+
+}  // namespace
+
+Status route(const detail::RouteArgs& args, Stream stream) {
+  if (args.num_tokens == 0) return Status::Ok();
+  if (args.config.top_k > kMaxGpuTopK) {
+    return Status::Unsupported("route: K = " + std::to_string(args.config.top_k) +
+                               " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
+  }
+  const RouteParams p = routing::make_route_params(args);
+  return routing::dispatch_route_shape(args.config.num_experts,
+                                       [&](auto shape) { return launch_route<decltype(shape)>(p, stream); });
+}
 
 }  // namespace switchyard::cuda

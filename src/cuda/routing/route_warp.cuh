@@ -1,0 +1,771 @@
+// The per-row routing routine of the CUDA backend (DESIGN.md section 2), as a __device__
+// function that a fused kernel (route + layout) can call. It reproduces the CPU oracle
+// (src/cpu/routing/routing_cpu.cpp) bit for bit: ids (tie order included) and weights.
+//
+// STABLE INTERFACE (other kernels call it; keep these signatures):
+//
+//   RouteParams make_route_params(const detail::RouteArgs& args);            // host
+//   Status dispatch_route_shape(int num_experts, F&& f);                      // host
+//       calls f(Shape{}) with the RouteShape<W, S, D> for E (see route_shape_index), returns
+//       its Status; Unsupported past kMaxGpuExperts.
+//   std::size_t route_smem_bytes_per_warp<Shape>(const RouteParams& p);     // host
+//       dynamic shared memory each warp must own (0 unless a group limit is used).
+//   template <class Shape> __device__ void route_warp(const RouteParams& p,
+//       std::int64_t first_row, unsigned char* warp_smem, RoutedPicks<Shape>* picks);
+//       Called by all 32 lanes of a converged warp. Routes the Shape::kRowsPerWarp rows
+//       first_row, first_row + 1, ... (rows >= p.num_tokens are computed on dummy data and not
+//       written). Writes topk_ids / topk_weights when p.topk_ids / p.topk_weights are
+//       non-null. `warp_smem` (route_smem_bytes_per_warp bytes, 16-byte aligned, private to
+//       the warp) may be nullptr when that size is 0. When `picks` is non-null it receives,
+//       per lane, the picks it holds: lane L of the warp serves row first_row + L / W and
+//       holds picks k = s * W + L % W for s < Shape::kSlots and k < K (expert id and final
+//       weight); see RoutedPicks.
+//   The caller must call pdl_wait() (cuda/common/launch.cuh) before route_warp when launched
+//   with programmatic dependent launch.
+//
+// DESIGN
+//   Layout. A row is served by W lanes (a "segment"; W = 32 for large E, fewer for small E so
+//   that one warp routes 32 / W rows). Lane l of a segment owns the experts
+//   e = 4*W*i + 4*l + c (stripe i < S, c < 4): four consecutive experts per stripe, so fp32
+//   loads are float4 (8-byte loads for bf16/fp16). With W = 32 this is exactly the canonical
+//   softmax layout of routing.h (partial j = (e / 4) % 32 is lane j); with W < 32 a lane holds
+//   the partials W*a + l in 32/W accumulators and does the butterfly steps >= W in registers,
+//   the steps < W with shuffles, in the oracle's order (16, 8, 4, 2, 1).
+//   Arithmetic. exp, sigmoid and the softmax divisions below give the oracle's bits: exp_fast
+//   is exp_f32 with rintf done by the 1.5*2^23 trick and the final 2^n scaling done on the
+//   exponent bits (exact whenever the result is normal, which |x| <= 86.5 guarantees; checked
+//   on the host for all 2.2e9 floats in that range); x / sum with sum in [1, 4096] and
+//   x >= 2^-64 uses y = RN(1/sum), q = RN(x*y), q += RN(x - sum*q)*y (Markstein's theorem:
+//   correctly rounded; also checked on 1.6e9 samples). Everything else falls back to
+//   detail::exp_f32 / IEEE division, so the result is exact for every input.
+//   Ranking. A selection score q (canonical: NaN -> -inf) becomes an ordered 32-bit key
+//   (larger q <=> larger key, -0 == +0); key 0 is below -inf and marks "not a candidate"
+//   (padding past E, experts of dropped groups). ranks_before(q, e) is then (key desc, e asc).
+//   Top-K. Each lane keeps its best D candidates, sorted, in registers. Each round the segment
+//   reduces the heads with two redux.sync (max key, then min expert among equal keys) - the
+//   membermask is the segment, so one instruction serves 32/W rows. The winning lane pops its
+//   head. A lane whose buffer runs dry keeps its last pick as a "ghost" head: an upper bound of
+//   what it still holds. Only if a ghost wins a round does the lane rescan its values for the
+//   next D after the ghost, and the round is redone. Rescans are thus rare (a lane must hold
+//   more than D of the K picks) and the buffers stay small. (Idea of per-thread candidate
+//   queues merged by warp reductions: FAISS WarpSelect, TensorRT-LLM's MoE top-k kernels;
+//   this code is our own.)
+//   Groups. With group size G % 4 == 0 and at most 2 scores summed per group (top2_sum, max,
+//   topk_sum with K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert
+//   chunks in shared memory, lanes merge the chunks of one group each, and topk_group rounds
+//   of segment reductions pick the groups. Any other group configuration takes a generic
+//   path: the row's keys go to shared memory and each lane ranks its groups by scanning.
+//   Weights. Pick k sits in lane k % W of the segment (slot k / W). p of a pick equals its q
+//   (no bias) or is recomputed from the logit (with bias, or q == 0 where p may be -0), with
+//   the same code as the main pass. Sums over the K picks run in k order (shuffles), the rest
+//   is per lane.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "common/numeric.h"
+#include "common/op_args.h"
+#include "common/routing_math.h"
+#include "cuda/common/launch.cuh"
+#include "switchyard/routing.h"
+#include "switchyard/status.h"
+
+namespace switchyard::cuda::routing {
+
+// ---------------------------------------------------------------------------------------------
+// Parameters (host-built, passed by value to kernels).
+
+enum GroupPath : int {
+  kGroupNone = 0,     // no group limit (or every group kept)
+  kGroupChunks = 1,   // G % 4 == 0 and <= 2 scores per group
+  kGroupGeneric = 2,  // anything else
+};
+
+struct RouteParams {
+  const void* logits = nullptr;
+  std::int64_t row_stride = 0;  // elements
+  std::int64_t num_tokens = 0;
+  int logits_dtype = 0;  // DType
+  int logits_vec = 0;    // 1: 4-element vector loads are aligned for every row
+  const void* bias = nullptr;
+  int bias_dtype = 0;  // DType
+  int bias_vec = 0;
+  void* topk_ids = nullptr;
+  int ids_int64 = 0;
+  void* topk_weights = nullptr;
+  int weights_bf16 = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  PreFn pre = PreFn::kNone;
+  PostFn post = PostFn::kSoftmax;
+  float scale = 1.0f;
+  int group_path = kGroupNone;
+  int n_group = 1;
+  int topk_group = 1;
+  int group_size = 1;        // G = E / n_group
+  int group_take = 1;        // scores summed per group: min(take, G)
+  unsigned group_magic = 0;  // fast division by G (or by G / 4 on the chunk path); 0: divisor 1
+  int smem_row_bytes = 0;    // shared memory per routed row
+};
+
+// Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
+// that range (the error term x * eps / 2^32 < 2^-16 < 1 / d). magic 0 means d == 1.
+inline unsigned div_magic(unsigned d) {
+  return d <= 1 ? 0u : static_cast<unsigned>(((std::uint64_t{1} << 32) + d - 1) / d);
+}
+__device__ __forceinline__ unsigned fast_div(unsigned x, unsigned magic) {
+  return magic == 0 ? x : __umulhi(x, magic);
+}
+
+// A shape: W lanes per row, S stripes of 4*W experts, candidate buffers of depth D.
+template <int W_, int S_, int D_>
+struct RouteShape {
+  static constexpr int W = W_;
+  static constexpr int S = S_;
+  static constexpr int D = D_;
+  static constexpr int kValues = 4 * S;  // experts per lane
+  static constexpr int kRowsPerWarp = 32 / W;
+  static constexpr int kMaxExperts = 4 * W * S;
+  // Picks per lane: K <= min(32, 4*W*S) picks spread over W lanes.
+  static constexpr int kSlots = (32 / W < 4 * S) ? 32 / W : 4 * S;
+  // Softmax accumulators per lane: min(S, 32 / W), a power of two (see the file comment).
+  static constexpr int kAccs = (S >= 32 / W) ? 32 / W
+                                             : (S >= 16  ? 16
+                                                : S >= 8 ? 8
+                                                : S >= 4 ? 4
+                                                : S >= 2 ? 2
+                                                         : 1);
+  static_assert(W == 1 || W == 2 || W == 4 || W == 8 || W == 16 || W == 32, "W must be a power of two");
+  static_assert(D >= 1 && D <= 4, "buffer depth");
+};
+
+// The picks a lane holds after route_warp: pick k = s * W + (lane % W) of row first_row +
+// lane / W, for s < kSlots with k < K.
+template <class Shape>
+struct RoutedPicks {
+  int expert[Shape::kSlots];
+  float weight[Shape::kSlots];
+};
+
+// Shapes by expert count; kShapeTable[i] serves E <= its bound. Chosen so that few slots are
+// padding and per-row reductions are shared by several rows where a row is small.
+struct ShapeEntry {
+  int max_experts, w, s, d;
+};
+inline constexpr ShapeEntry kShapeTable[] = {
+    {4, 1, 1, 2},      {8, 2, 1, 2},      {16, 4, 1, 2},   {32, 8, 1, 2},    {64, 8, 2, 2},
+    {128, 8, 4, 3},    {160, 8, 5, 3},    {256, 8, 8, 3},  {384, 16, 6, 3},  {512, 16, 8, 3},
+    {576, 16, 9, 3},   {768, 32, 6, 3},   {896, 32, 7, 3}, {1024, 32, 8, 3}, {1536, 32, 12, 4},
+    {2048, 32, 16, 4}, {4096, 32, 32, 4},
+};
+inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
+
+template <int I>
+using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>;
+
+// Index in kShapeTable for E, or -1 when E is past the last entry.
+inline int route_shape_index(int num_experts) {
+  for (int i = 0; i < kNumShapes; ++i)
+    if (num_experts <= kShapeTable[i].max_experts) return i;
+  return -1;
+}
+
+template <typename F, int... I>
+Status dispatch_route_shape_impl(int index, F&& f, std::integer_sequence<int, I...>) {
+  return dispatch_value<I...>("route shape index", index,
+                              [&](auto c) { return f(ShapeAt<decltype(c)::value>{}); });
+}
+
+// Calls f(Shape{}) with the shape for E.
+template <typename F>
+Status dispatch_route_shape(int num_experts, F&& f) {
+  const int index = route_shape_index(num_experts);
+  if (index < 0) {
+    return Status::Unsupported("route: E = " + std::to_string(num_experts) +
+                               " exceeds the CUDA backend's maximum of " +
+                               std::to_string(kShapeTable[kNumShapes - 1].max_experts));
+  }
+  return dispatch_route_shape_impl(index, std::forward<F>(f), std::make_integer_sequence<int, kNumShapes>{});
+}
+
+// Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)
+// or keys (4 bytes per expert slot), then n_group score keys and n_group selection flags.
+inline std::size_t route_smem_bytes_per_row(int group_path, int n_group, int w, int s) {
+  if (group_path == kGroupNone) return 0;
+  const std::size_t head = group_path == kGroupChunks ? std::size_t{8} * w * s : std::size_t{16} * w * s;
+  return (head + static_cast<std::size_t>(n_group) * 5 + 15) / 16 * 16;
+}
+
+// Flattens validated arguments. E past the shape table is left to dispatch_route_shape to
+// reject.
+inline RouteParams make_route_params(const detail::RouteArgs& a) {
+  RouteParams p;
+  const RoutingConfig& c = a.config;
+  const std::size_t elem = dtype_size(a.logits_dtype);
+  p.logits = a.logits;
+  p.row_stride = a.logits_row_stride;
+  p.num_tokens = a.num_tokens;
+  p.logits_dtype = static_cast<int>(a.logits_dtype);
+  p.logits_vec =
+      (reinterpret_cast<std::uintptr_t>(a.logits) % (4 * elem) == 0) && (a.logits_row_stride % 4 == 0);
+  p.bias = a.bias;
+  p.bias_dtype = static_cast<int>(a.bias_dtype);
+  p.bias_vec =
+      a.bias != nullptr && reinterpret_cast<std::uintptr_t>(a.bias) % (4 * dtype_size(a.bias_dtype)) == 0;
+  p.topk_ids = a.topk_ids;
+  p.ids_int64 = a.ids_dtype == DType::kInt64;
+  p.topk_weights = a.topk_weights;
+  p.weights_bf16 = a.weights_dtype == DType::kBFloat16;
+  p.num_experts = c.num_experts;
+  p.top_k = c.top_k;
+  p.pre = c.pre;
+  p.post = c.post;
+  p.scale = c.scale;
+  p.group_path = kGroupNone;
+  // Keeping every group is no group limit at all (the oracle then allows every expert).
+  if (c.group_rule != GroupRule::kNone && c.topk_group < c.n_group) {
+    const int G = c.num_experts / c.n_group;
+    const int take = c.group_rule == GroupRule::kTop2Sum ? 2
+                     : c.group_rule == GroupRule::kMax   ? 1
+                                                         : c.top_k / c.topk_group;
+    p.n_group = c.n_group;
+    p.topk_group = c.topk_group;
+    p.group_size = G;
+    p.group_take = take < G ? take : G;
+    if (G % 4 == 0 && p.group_take <= 2) {
+      p.group_path = kGroupChunks;
+      p.group_magic = div_magic(static_cast<unsigned>(G / 4));
+    } else {
+      p.group_path = kGroupGeneric;
+      p.group_magic = div_magic(static_cast<unsigned>(G));
+    }
+    const int index = route_shape_index(c.num_experts);
+    if (index >= 0) {
+      p.smem_row_bytes = static_cast<int>(
+          route_smem_bytes_per_row(p.group_path, p.n_group, kShapeTable[index].w, kShapeTable[index].s));
+    }
+  }
+  return p;
+}
+
+// Dynamic shared memory each warp of a Shape kernel must own for these parameters.
+template <class Shape>
+__host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_warp(const RouteParams& p) {
+  return static_cast<std::size_t>(p.smem_row_bytes) * Shape::kRowsPerWarp;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device arithmetic.
+
+namespace dev {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr std::uint32_t kNegInfKey = 0x007fffffu;  // score_key(-inf)
+constexpr std::uint32_t kPosInfKey = 0xff800000u;  // score_key(+inf)
+constexpr std::uint32_t kZeroKey = 0x80000000u;    // score_key(+0) == score_key(-0)
+
+__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+__device__ __forceinline__ bool finite(float x) { return fabsf(x) < __uint_as_float(0x7f800000u); }
+
+// Ordered key of a non-NaN score (see the file comment). q + 0 turns -0 into +0.
+__device__ __forceinline__ std::uint32_t score_key(float q) {
+  const std::uint32_t u = __float_as_uint(__fadd_rn(q, 0.0f));
+  return u ^ (static_cast<std::uint32_t>(static_cast<std::int32_t>(u) >> 31) | 0x80000000u);
+}
+// canonical_score (NaN -> -inf) and then the key. max.f32 returns the non-NaN operand.
+__device__ __forceinline__ std::uint32_t canonical_key(float q) { return score_key(fmaxf(q, neg_inf())); }
+__device__ __forceinline__ float key_score(std::uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+__device__ __forceinline__ bool key_finite(std::uint32_t k) { return k > kNegInfKey && k < kPosInfKey; }
+
+// detail::exp_f32 for |x| <= 86.5 (bit-identical there; see the file comment).
+__device__ __forceinline__ float exp_fast(float x) {
+  const float y = __fmul_rn(x, 1.44269502162933349609375f);
+  const float t = __fadd_rn(y, 12582912.0f);  // 1.5 * 2^23: t = 1.5*2^23 + rint(y)
+  const float n = __fadd_rn(t, -12582912.0f);
+  float r = fmaf(n, -0.693145751953125f, x);
+  r = fmaf(n, -1.428606765330187045e-06f, r);
+  float p = 1.98412698412698e-04f;
+  p = fmaf(p, r, 1.38888888888889e-03f);
+  p = fmaf(p, r, 8.33333333333333e-03f);
+  p = fmaf(p, r, 4.16666666666667e-02f);
+  p = fmaf(p, r, 1.66666666666667e-01f);
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);
+  // bits(t) = 0x4B400000 + n and 0x4B400000 << 23 == 0 (mod 2^32): adds n to p's exponent.
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
+__device__ __noinline__ float exp_slow(float x) { return detail::exp_f32(x); }
+__device__ __noinline__ float pre_slow(PreFn pre, float s) { return detail::pre_elementwise(pre, s); }
+__device__ __noinline__ float div_slow(float a, float b) { return __fdiv_rn(a, b); }
+
+__device__ __forceinline__ float exp_any(float x) { return fabsf(x) <= 86.5f ? exp_fast(x) : exp_slow(x); }
+
+// detail::sigmoid_f32 / pre_elementwise(kSigmoid, s), bit for bit.
+__device__ __forceinline__ float sigmoid_pre(float s) {
+  if (fabsf(s) <= 86.5f) return __frcp_rn(__fadd_rn(1.0f, exp_fast(-s)));
+  return pre_slow(PreFn::kSigmoid, s);
+}
+
+// a / b, correctly rounded, for a in [0, 1] and b in [1, 4096] given y = RN(1 / b).
+__device__ __forceinline__ float div_by(float a, float b, float y) {
+  if (a < 0x1p-64f && a != 0.0f) return div_slow(a, b);
+  const float q = __fmul_rn(a, y);
+  const float r = fmaf(-b, q, a);
+  return fmaf(r, y, q);
+}
+
+// Softmax constants of one row: p = exp(s - m) / sum for finite s.
+struct SoftmaxRow {
+  float m, sum, rcp;
+};
+__device__ __forceinline__ float softmax_pre(float s, const SoftmaxRow& sm) {
+  return finite(s) ? div_by(exp_any(__fadd_rn(s, -sm.m)), sm.sum, sm.rcp) : s;
+}
+
+// Element-wise pre-score of one logit (not softmax).
+__device__ __forceinline__ float elementwise_pre(PreFn pre, float s) {
+  if (pre == PreFn::kSigmoid) return sigmoid_pre(s);
+  if (pre == PreFn::kSqrtSoftplus) return pre_slow(pre, s);
+  return s;
+}
+
+__device__ __forceinline__ float load_one(const void* base, int dtype, std::int64_t i) {
+  if (dtype == static_cast<int>(DType::kFloat32)) return __ldg(static_cast<const float*>(base) + i);
+  const unsigned short h = __ldg(static_cast<const unsigned short*>(base) + i);
+  if (dtype == static_cast<int>(DType::kBFloat16)) return __uint_as_float(static_cast<unsigned>(h) << 16);
+  return __half2float(__ushort_as_half(h));  // fp16 -> fp32 is exact
+}
+
+// Loads experts e0 .. e0+3 of a row (absent ones, e >= E or !ok, give `fill`).
+__device__ __forceinline__ void load_chunk(const void* base, int dtype, bool vec, int e0, int E, bool ok,
+                                           float fill, float* out) {
+  if (ok && vec && e0 + 4 <= E) {
+    if (dtype == static_cast<int>(DType::kFloat32)) {
+      const float4 x = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(base) + e0));
+      out[0] = x.x;
+      out[1] = x.y;
+      out[2] = x.z;
+      out[3] = x.w;
+    } else {
+      const uint2 x = __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(base) + e0));
+      const unsigned h[4] = {x.x & 0xffffu, x.x >> 16, x.y & 0xffffu, x.y >> 16};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        out[c] = dtype == static_cast<int>(DType::kBFloat16)
+                     ? __uint_as_float(h[c] << 16)
+                     : __half2float(__ushort_as_half(static_cast<unsigned short>(h[c])));
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) out[c] = (ok && e0 + c < E) ? load_one(base, dtype, e0 + c) : fill;
+}
+
+// Sorted candidate buffer insert (best first; equal keys keep the earlier, lower expert).
+template <int D>
+__device__ __forceinline__ void buffer_insert(std::uint32_t (&bk)[D], int (&bb)[D], std::uint32_t x,
+                                              int base) {
+  bool gt[D];
+#pragma unroll
+  for (int d = 0; d < D; ++d) gt[d] = x > bk[d];
+#pragma unroll
+  for (int d = D - 1; d >= 1; --d) {
+    bk[d] = gt[d - 1] ? bk[d - 1] : (gt[d] ? x : bk[d]);
+    bb[d] = gt[d - 1] ? bb[d - 1] : (gt[d] ? base : bb[d]);
+  }
+  bk[0] = gt[0] ? x : bk[0];
+  bb[0] = gt[0] ? base : bb[0];
+}
+
+// Lane-relative expert offset of value j: e = base(j) + 4 * (lane % W).
+template <class Shape>
+__device__ __forceinline__ constexpr int value_base(int j) {
+  return 4 * Shape::W * (j / 4) + (j % 4);
+}
+
+// Picks the best p.topk_group groups of a row: rounds of (max score key, min group index)
+// over the segment. Lane l of the segment owns groups g = l, l + W, ...; on return
+// `selected[g]` is 1 for the kept groups (each lane wrote its own groups' flags).
+template <class Shape>
+__device__ __forceinline__ void select_groups(const RouteParams& p, const std::uint32_t* score,
+                                              unsigned char* selected, int sl, unsigned smask) {
+  for (int g = sl; g < p.n_group; g += Shape::W) selected[g] = 0;
+  for (int r = 0; r < p.topk_group; ++r) {
+    std::uint32_t best = 0;
+    int best_g = 0x7fffffff;
+    for (int g = sl; g < p.n_group; g += Shape::W) {
+      const std::uint32_t k = selected[g] ? 0u : score[g];
+      if (k > best) {
+        best = k;
+        best_g = g;
+      }
+    }
+    const std::uint32_t mk = __reduce_max_sync(smask, best);
+    const unsigned wg = __reduce_min_sync(smask, best == mk ? static_cast<unsigned>(best_g) : 0xffffffffu);
+    if (static_cast<int>(wg % Shape::W) == sl && wg < static_cast<unsigned>(p.n_group)) selected[wg] = 1;
+  }
+}
+
+// Group limit, chunk path (G % 4 == 0, at most 2 scores per group): zeroes the keys of experts
+// outside the kept groups. Scores: the group's largest q (+ its second largest), summed in
+// rank order like the oracle (a + b == b + a, so only the two values matter).
+template <class Shape>
+__device__ __forceinline__ void group_limit_chunks(const RouteParams& p, std::uint32_t (&key)[Shape::kValues],
+                                                   unsigned char* srow, int sl, unsigned smask) {
+  constexpr int W = Shape::W, S = Shape::S;
+  uint2* chunk_top = reinterpret_cast<uint2*>(srow);
+  std::uint32_t* score = reinterpret_cast<std::uint32_t*>(srow + 8 * W * S);
+  unsigned char* selected = reinterpret_cast<unsigned char*>(score + p.n_group);
+  const int chunks = p.num_experts / 4;
+  const int per_group = p.group_size / 4;
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int ch = W * i + sl;
+    const std::uint32_t a = key[4 * i], b = key[4 * i + 1], c = key[4 * i + 2], d = key[4 * i + 3];
+    const std::uint32_t hi1 = max(a, b), lo1 = min(a, b), hi2 = max(c, d), lo2 = min(c, d);
+    if (ch < chunks) chunk_top[ch] = make_uint2(max(hi1, hi2), max(min(hi1, hi2), max(lo1, lo2)));
+  }
+  __syncwarp();
+  for (int g = sl; g < p.n_group; g += W) {
+    std::uint32_t t1 = 0, t2 = 0;
+    for (int ch = g * per_group; ch < (g + 1) * per_group; ++ch) {
+      const uint2 x = chunk_top[ch];
+      const std::uint32_t n1 = max(t1, x.x);
+      t2 = max(min(t1, x.x), max(t2, x.y));
+      t1 = n1;
+    }
+    const float s = p.group_take == 1 ? key_score(t1) : __fadd_rn(key_score(t1), key_score(t2));
+    score[g] = canonical_key(s);
+  }
+  __syncwarp();
+  select_groups<Shape>(p, score, selected, sl, smask);
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int ch = W * i + sl;
+    const bool keep = ch < chunks && selected[fast_div(static_cast<unsigned>(ch), p.group_magic)];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) key[4 * i + c] = keep ? key[4 * i + c] : 0u;
+  }
+  __syncwarp();
+}
+
+// Group limit, generic path: any G, any number of summed scores.
+template <class Shape>
+__device__ __forceinline__ void group_limit_generic(const RouteParams& p,
+                                                    std::uint32_t (&key)[Shape::kValues], unsigned char* srow,
+                                                    int sl, unsigned smask) {
+  constexpr int W = Shape::W, S = Shape::S;
+  std::uint32_t* keys = reinterpret_cast<std::uint32_t*>(srow);
+  std::uint32_t* score = keys + Shape::kMaxExperts;
+  unsigned char* selected = reinterpret_cast<unsigned char*>(score + p.n_group);
+  const int E = p.num_experts;
+  const int G = p.group_size;
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int e0 = 4 * W * i + 4 * sl;
+    *reinterpret_cast<uint4*>(keys + e0) =
+        make_uint4(key[4 * i], key[4 * i + 1], key[4 * i + 2], key[4 * i + 3]);
+  }
+  __syncwarp();
+  for (int g = sl; g < p.n_group; g += W) {
+    // The group's group_take best (key desc, expert asc), summed in that order.
+    std::uint32_t prev_k = 0xffffffffu;
+    int prev_e = -1;
+    float sum = 0.0f;
+    for (int r = 0; r < p.group_take; ++r) {
+      std::uint32_t best = 0;
+      int best_e = -1;
+      for (int e = g * G; e < (g + 1) * G; ++e) {
+        const std::uint32_t x = keys[e];
+        const bool after = x < prev_k || (x == prev_k && e > prev_e);
+        if (after && x > best) {
+          best = x;
+          best_e = e;
+        }
+      }
+      sum = r == 0 ? key_score(best) : __fadd_rn(sum, key_score(best));
+      prev_k = best;
+      prev_e = best_e;
+    }
+    score[g] = canonical_key(sum);
+  }
+  __syncwarp();
+  select_groups<Shape>(p, score, selected, sl, smask);
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < Shape::kValues; ++j) {
+    const int e = value_base<Shape>(j) + 4 * sl;
+    const bool keep = e < E && selected[fast_div(static_cast<unsigned>(e), p.group_magic)];
+    key[j] = keep ? key[j] : 0u;
+  }
+  __syncwarp();
+}
+
+}  // namespace dev
+
+// ---------------------------------------------------------------------------------------------
+// The warp routine (see the top of the file for the contract).
+
+template <class Shape>
+__device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t first_row,
+                                           unsigned char* warp_smem, RoutedPicks<Shape>* picks) {
+  using namespace dev;
+  constexpr int W = Shape::W, S = Shape::S, D = Shape::D, V = Shape::kValues, SL = Shape::kSlots;
+  constexpr int NA = Shape::kAccs;
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int seg = lane / W;
+  const int sl = lane % W;
+  const int lane4 = 4 * sl;
+  const unsigned smask = W == 32 ? kFullMask : (((1u << W) - 1u) << (seg * W));
+  const std::int64_t row = first_row + seg;
+  const bool row_ok = row < p.num_tokens;
+  const int E = p.num_experts;
+  const int K = p.top_k;
+  const std::size_t elem = p.logits_dtype == static_cast<int>(DType::kFloat32) ? 4 : 2;
+  const void* row_ptr = static_cast<const char*>(p.logits) +
+                        (row_ok ? row : 0) * p.row_stride * static_cast<std::int64_t>(elem);
+
+  // 1. Load the row (absent experts read as -inf: outside every softmax sum).
+  float v[V];
+#pragma unroll
+  for (int i = 0; i < S; ++i)
+    load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, neg_inf(), &v[4 * i]);
+
+  // 2. Pre-scores p (in v).
+  SoftmaxRow sm{0.0f, 1.0f, 1.0f};
+  if (p.pre == PreFn::kSoftmax) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int j = 0; j < V; ++j) mx = finite(v[j]) ? fmaxf(mx, v[j]) : mx;
+    sm.m = key_score(__reduce_max_sync(smask, score_key(mx)));
+    float acc[NA];
+#pragma unroll
+    for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
+      // v becomes exp(v - m) for finite v and keeps non-finite v as is (exp results are finite,
+      // so finite(v) still tells the two apart afterwards).
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const bool f = finite(v[j]);
+      v[j] = f ? exp_any(__fadd_rn(v[j], -sm.m)) : v[j];
+      acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? v[j] : 0.0f);
+    }
+    // Butterfly steps >= W inside the lane (accumulator a holds partial W*a + l), then < W.
+#pragma unroll
+    for (int h = NA / 2; h >= 1; h /= 2) {
+      float next[NA];
+#pragma unroll
+      for (int a = 0; a < NA; ++a) next[a] = __fadd_rn(acc[a], acc[a ^ h]);
+#pragma unroll
+      for (int a = 0; a < NA; ++a) acc[a] = next[a];
+    }
+    float sum = acc[0];
+#pragma unroll
+    for (int off = W / 2; off >= 1; off /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, off));
+    sm.sum = sum;
+    sm.rcp = __frcp_rn(sum);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = finite(v[j]) ? div_by(v[j], sm.sum, sm.rcp) : v[j];
+  } else if (p.pre == PreFn::kSigmoid) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = sigmoid_pre(v[j]);
+  } else if (p.pre == PreFn::kSqrtSoftplus) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = pre_slow(PreFn::kSqrtSoftplus, v[j]);
+  }
+
+  // 3. Selection keys of q = canonical(p (+ bias)); 0 for experts past E.
+  std::uint32_t key[V];
+  if (p.bias != nullptr) {
+    // Loaded here rather than with the logits to keep 4*S registers free; the bias is shared by
+    // every row, so these loads hit in L1/L2.
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      float b[4];
+      load_chunk(p.bias, p.bias_dtype, p.bias_vec, 4 * W * i + lane4, E, true, 0.0f, b);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) key[4 * i + c] = canonical_key(__fadd_rn(v[4 * i + c], b[c]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) key[j] = canonical_key(v[j]);
+  }
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    if (4 * W * (i + 1) > E) {  // stripe reaches past E (uniform)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) key[4 * i + c] = (4 * W * i + lane4 + c < E) ? key[4 * i + c] : 0u;
+    }
+  }
+
+  // 4. Group limit.
+  unsigned char* srow =
+      warp_smem == nullptr ? nullptr : warp_smem + static_cast<std::size_t>(seg) * p.smem_row_bytes;
+  if (p.group_path == kGroupChunks) {
+    group_limit_chunks<Shape>(p, key, srow, sl, smask);
+  } else if (p.group_path == kGroupGeneric) {
+    group_limit_generic<Shape>(p, key, srow, sl, smask);
+  }
+
+  // 5. Top-K.
+  std::uint32_t bk[D];
+  int bb[D];
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    bk[d] = 0u;
+    bb[d] = 0;
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, key[j], value_base<Shape>(j));
+  std::uint32_t pick_key[SL];
+  int pick_e[SL];
+#pragma unroll
+  for (int s = 0; s < SL; ++s) {
+    pick_key[s] = 0u;
+    pick_e[s] = 0;
+  }
+  bool ghost = false;
+  for (int r = 0; r < K; ++r) {
+    for (;;) {
+      const std::uint32_t head = bk[0];
+      const std::uint32_t mk = __reduce_max_sync(smask, head);
+      const unsigned my_e = static_cast<unsigned>(bb[0] + lane4);
+      const unsigned we = __reduce_min_sync(smask, head == mk ? my_e : 0xffffffffu);
+      const bool won = head == mk && my_e == we;
+      const bool rescan = won && ghost;
+      if (__any_sync(kFullMask, rescan)) {
+        if (rescan) {
+          // Next D candidates after the ghost (gk, gb) in (key desc, expert asc) order.
+          const std::uint32_t gk = bk[0];
+          const int gb = bb[0];
+#pragma unroll
+          for (int d = 0; d < D; ++d) bk[d] = 0u;
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const int base = value_base<Shape>(j);
+            const bool after = key[j] < gk || (key[j] == gk && base > gb);
+            buffer_insert<D>(bk, bb, after ? key[j] : 0u, base);
+          }
+          ghost = false;
+        }
+        continue;  // redo the round (segments without a rescan get the same answer)
+      }
+#pragma unroll
+      for (int s = 0; s < SL; ++s) {
+        if (r == s * W + sl) {
+          pick_key[s] = mk;
+          pick_e[s] = static_cast<int>(we);
+        }
+      }
+      if (won) {
+        if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
+          ghost = true;  // keep the pick as an upper bound of what the lane still holds
+        } else {
+#pragma unroll
+          for (int d = 0; d + 1 < D; ++d) {
+            bk[d] = bk[d + 1];
+            bb[d] = bb[d + 1];
+          }
+          bk[D - 1] = 0u;
+        }
+      }
+      break;
+    }
+  }
+
+  // 6. Weights from p of the picks (oracle: detail::post_weights, sums in k order).
+  bool has[SL], fin[SL];
+  float pv[SL];
+#pragma unroll
+  for (int s = 0; s < SL; ++s) {
+    has[s] = s * W + sl < K;
+    fin[s] = has[s] && key_finite(pick_key[s]);
+    pv[s] = key_score(pick_key[s]);
+    const bool reload = p.bias != nullptr || (p.pre == PreFn::kNone && pick_key[s] == kZeroKey);
+    if (fin[s] && reload) {
+      const float s_logit = load_one(row_ptr, p.logits_dtype, pick_e[s]);
+      pv[s] = p.pre == PreFn::kSoftmax ? softmax_pre(s_logit, sm) : elementwise_pre(p.pre, s_logit);
+    }
+  }
+  float w[SL];
+  if (p.post == PostFn::kSoftmax || p.post == PostFn::kNormalize) {
+    float term[SL];
+    float m = 0.0f;
+    if (p.post == PostFn::kSoftmax) {
+      float lm = neg_inf();
+#pragma unroll
+      for (int s = 0; s < SL; ++s) lm = fin[s] ? fmaxf(lm, pv[s]) : lm;
+      m = key_score(__reduce_max_sync(smask, score_key(lm)));
+#pragma unroll
+      for (int s = 0; s < SL; ++s) term[s] = fin[s] ? exp_any(__fadd_rn(pv[s], -m)) : 0.0f;
+    } else {
+#pragma unroll
+      for (int s = 0; s < SL; ++s) term[s] = fin[s] ? pv[s] : 0.0f;
+    }
+    // Sum in k order. Adding +0 for a non-finite pick is exact: the sum is never -0.
+    float sum = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int slot = k / W;
+      float mine = term[0];
+#pragma unroll
+      for (int s = 1; s < SL; ++s) mine = slot == s ? term[s] : mine;
+      sum = __fadd_rn(sum, __shfl_sync(kFullMask, mine, k % W, W));
+    }
+    if (p.post == PostFn::kSoftmax) {
+#pragma unroll
+      for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(__fdiv_rn(term[s], sum), p.scale) : 0.0f;
+    } else {
+      const float denom = __fadd_rn(sum, 1e-20f);
+#pragma unroll
+      for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(__fdiv_rn(pv[s], denom), p.scale) : 0.0f;
+    }
+  } else if (p.post == PostFn::kSigmoid) {
+#pragma unroll
+    for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(sigmoid_pre(pv[s]), p.scale) : 0.0f;
+  } else {
+#pragma unroll
+    for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(pv[s], p.scale) : 0.0f;
+  }
+
+  // 7. Outputs.
+  if (row_ok) {
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {
+      if (!has[s]) continue;
+      const std::int64_t out = row * K + s * W + sl;
+      if (p.topk_ids != nullptr) {
+        if (p.ids_int64) {
+          static_cast<std::int64_t*>(p.topk_ids)[out] = pick_e[s];
+        } else {
+          static_cast<std::int32_t*>(p.topk_ids)[out] = pick_e[s];
+        }
+      }
+      if (p.topk_weights != nullptr) {
+        if (p.weights_bf16) {
+          static_cast<std::uint16_t*>(p.topk_weights)[out] = detail::float_to_bf16(w[s]);
+        } else {
+          static_cast<float*>(p.topk_weights)[out] = w[s];
+        }
+      }
+    }
+  }
+  if (picks != nullptr) {
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {
+      picks->expert[s] = has[s] ? pick_e[s] : -1;
+      picks->weight[s] = w[s];
+    }
+  }
+}
+
+}  // namespace switchyard::cuda::routing

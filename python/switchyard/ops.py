@@ -168,6 +168,7 @@ def _capacity(num_tokens: Any, top_k: Any, num_local: int, tile_size: int) -> Tu
 
 def _empty_layout_arrays(num_tokens: Any, top_k: Any, num_local: int, tile_size: int,
                          device: torch.device) -> List[Tensor]:
+    num_local = max(num_local, 0)  # a bad count is reported by the library, naming it
     rows, tiles = _capacity(num_tokens, top_k, num_local, tile_size)
 
     def new(*shape: Any) -> Tensor:

@@ -94,6 +94,7 @@ def test_layout_errors(device):
         (ValueError, "'topk_ids'", dict(topk_ids=ids.view(-1))),
         (ValueError, "config.tile_size", dict(tile_size=0)),
         (ValueError, "config.num_experts", dict(num_experts=0)),
+        (ValueError, "config.num_experts", dict(num_experts=-3, out=None)),
         (ValueError, "config.local", dict(local=(14, 4))),
         (TypeError, "'local'", dict(local="half")),
         (ValueError, "out.tile_expert", dict(out=short)),

@@ -45,24 +45,27 @@ int resident_blocks_per_sm(const void* kernel) {
   return blocks;
 }
 
-// Launches `kernel(params)` with blocks of kBlockThreads threads: one block per
-// kWarpsPerBlock work items up to the resident limit (the kernels walk their items with a grid
-// stride), with programmatic stream serialization so that the kernel's prologue overlaps the
-// previous kernel's tail (the kernels call cudaGridDependencySynchronize before their first
-// read of inputs).
-template <typename Params>
-Status launch(const char* op, void (*kernel)(Params), std::int64_t work_items, const Params& params,
-              Stream stream) {
+// Blocks of a kernel that fit on the current device at once.
+Status max_resident_blocks(const char* op, const void* kernel, std::int64_t* blocks) {
   int device = 0;
   int sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return cuda_failure(op, "cannot query the device", err);
-  const std::int64_t max_blocks =
-      static_cast<std::int64_t>(sms) * resident_blocks_per_sm(reinterpret_cast<const void*>(kernel));
+  *blocks = static_cast<std::int64_t>(sms) * resident_blocks_per_sm(kernel);
+  return Status::Ok();
+}
+
+// Launches `kernel(params)` with blocks of kBlockThreads threads: one block per
+// kWarpsPerBlock work items up to `max_blocks` (the kernels walk their items with a grid
+// stride), with programmatic stream serialization so that the kernel's prologue overlaps the
+// previous kernel's tail (the kernels call cudaGridDependencySynchronize before their first
+// read of inputs).
+template <typename Params>
+Status launch(const char* op, void (*kernel)(Params), std::int64_t max_blocks, std::int64_t work_items,
+              const Params& params, Stream stream) {
   const std::int64_t wanted = (work_items + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const unsigned grid = static_cast<unsigned>(std::max<std::int64_t>(1, std::min(wanted, max_blocks)));
-
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(kBlockThreads);
@@ -73,7 +76,7 @@ Status launch(const char* op, void (*kernel)(Params), std::int64_t work_items, c
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, kernel, params);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, params);
   if (err != cudaSuccess) {
     cudaGetLastError();  // the status carries it; do not leave it for an unrelated later check
     return cuda_failure(op, "kernel launch failed", err);
@@ -94,6 +97,22 @@ Chunking chunk_row(std::int64_t row_vecs, std::int64_t step, std::int64_t max_st
   const std::int64_t per_chunk = (row_vecs + c.chunks - 1) / c.chunks;
   c.chunk_vecs = std::max<std::int64_t>(step, (per_chunk + step - 1) / step * step);
   return c;
+}
+
+// Items per resident warp below which the grid-stride loop's last round leaves too many warps
+// idle (the tail is at most 1 / items of the time): then items are made smaller.
+constexpr std::int64_t kBalancedItemsPerWarp = 16;
+
+// The largest chunks (up to `max_steps` steps) that still give every resident warp
+// kBalancedItemsPerWarp items over `rows` rows, or single-step chunks. Small calls thereby
+// also spread each row over more warps, which is what bounds their latency.
+Chunking balanced_chunks(std::int64_t row_vecs, std::int64_t step, std::int64_t max_steps, std::int64_t rows,
+                         std::int64_t max_blocks) {
+  const std::int64_t warps = max_blocks * kWarpsPerBlock;
+  for (std::int64_t s = max_steps;; s /= 2) {
+    const Chunking c = chunk_row(row_vecs, step, s);
+    if (s <= 1 || rows * c.chunks >= kBalancedItemsPerWarp * warps) return c;
+  }
 }
 
 bool aligned(const void* p, std::int64_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
@@ -131,15 +150,22 @@ Status launch_gather(const detail::GatherArgs& a, const std::int32_t* expanded_t
   p.capacity_rows = a.capacity_rows;
   p.x_perm = static_cast<unsigned char*>(a.x_perm);
   p.row_vecs = row_bytes / kVecBytes;
-  const Chunking c = chunk_row(p.row_vecs, kWarpSize, permute::kGatherVecsPerLane);
+  p.zero_fill_padding = a.zero_fill_padding;
+  const bool token_major = expanded_to_permuted != nullptr;
+  auto kernel =
+      token_major ? permute::gather_tokens_kernel<kVecBytes> : permute::gather_rows_kernel<kVecBytes>;
+  std::int64_t max_blocks = 0;
+  SY_RETURN_IF_ERROR(max_resident_blocks("gather", reinterpret_cast<const void*>(kernel), &max_blocks));
+  const std::int64_t item_rows = token_major ? a.num_tokens : a.capacity_rows;
+  const Chunking c =
+      balanced_chunks(p.row_vecs, kWarpSize, permute::kGatherVecsPerLane, item_rows, max_blocks);
   p.chunk_vecs = c.chunk_vecs;
   p.chunks_per_row = c.chunks;
-  p.zero_fill_padding = a.zero_fill_padding;
-  if (expanded_to_permuted == nullptr) {
-    return launch("gather", permute::gather_rows_kernel<kVecBytes>, a.capacity_rows * c.chunks, p, stream);
-  }
-  const std::int64_t items = std::max(a.num_tokens * c.chunks, (a.capacity_rows + kWarpSize - 1) / kWarpSize);
-  return launch("gather", permute::gather_tokens_kernel<kVecBytes>, items, p, stream);
+  // Token-major: phase 1 has T x chunks items, phase 2 one per 32 rows.
+  const std::int64_t items =
+      token_major ? std::max(a.num_tokens * c.chunks, (a.capacity_rows + kWarpSize - 1) / kWarpSize)
+                  : a.capacity_rows * c.chunks;
+  return launch("gather", kernel, max_blocks, items, p, stream);
 }
 
 Status gather_any(const detail::GatherArgs& a, const std::int32_t* expanded_to_permuted, int top_k,
@@ -180,21 +206,14 @@ Status launch_combine(const detail::CombineArgs& a, Stream stream) {
   p.top_k = a.top_k;
   p.row_vecs = a.hidden / kV;
   p.accumulate = a.accumulate;
-  // Few tokens: one step per work item, so the row spreads over as many warps as it can
-  // (latency). Many tokens: up to 4 steps, so picks' indices and weights load once per 4 steps.
-  const std::int64_t step = static_cast<std::int64_t>(kUV) * kWarpSize;
-  const std::int64_t one_step_items = a.num_tokens * ((p.row_vecs + step - 1) / step);
-  int device = 0;
-  int sms = 132;
-  if (cudaGetDevice(&device) == cudaSuccess)
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const std::int64_t resident_warps = static_cast<std::int64_t>(sms) *
-                                      resident_blocks_per_sm(reinterpret_cast<const void*>(kernel)) *
-                                      kWarpsPerBlock;
-  const Chunking c = chunk_row(p.row_vecs, step, one_step_items <= 2 * resident_warps ? 1 : 4);
+  std::int64_t max_blocks = 0;
+  SY_RETURN_IF_ERROR(max_resident_blocks("combine", reinterpret_cast<const void*>(kernel), &max_blocks));
+  // Up to 4 steps per item, so that the picks' rows and weights load once per 4 steps.
+  const Chunking c =
+      balanced_chunks(p.row_vecs, static_cast<std::int64_t>(kUV) * kWarpSize, 4, a.num_tokens, max_blocks);
   p.chunk_vecs = c.chunk_vecs;
   p.chunks_per_row = c.chunks;
-  return launch("combine", kernel, a.num_tokens * c.chunks, p, stream);
+  return launch("combine", kernel, max_blocks, a.num_tokens * c.chunks, p, stream);
 }
 
 template <typename YF, typename OF>

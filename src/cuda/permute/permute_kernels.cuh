@@ -261,28 +261,35 @@ __global__ void __launch_bounds__(kBlockThreads) gather_tokens_kernel(const Gath
   cudaGridDependencySynchronize();
   const std::int64_t rows = clamp_rows(__ldg(p.totals), p.capacity_rows);
 
-  // Phase 1.
-  for (ItemWalker it(warp, warps, p.chunks_per_row); it.row < p.num_tokens; it.advance()) {
+  // Phase 1. Lane j checks pick k0 + j of the item's token; the first batch of picks of the
+  // next item is prefetched so that its load overlaps this item's copy.
+  const std::int64_t T = p.num_tokens;
+  ItemWalker it(warp, warps, p.chunks_per_row);
+  std::int32_t pick = it.row < T && lane < K ? __ldg(p.expanded_to_permuted + it.row * K + lane) : -1;
+  while (it.row < T) {
     const std::int64_t t = it.row;
-    const std::int32_t* picks = p.expanded_to_permuted + t * K;
+    const std::int64_t chunk = it.chunk;
+    it.advance();
+    const std::int32_t next_pick =
+        it.row < T && lane < K ? __ldg(p.expanded_to_permuted + it.row * K + lane) : -1;
     for (int k0 = 0; k0 < K; k0 += kWarpSize) {
-      // Lane j checks pick k0 + j.
-      std::int64_t r = -1;
-      if (k0 + lane < K) r = __ldg(picks + k0 + lane);
+      std::int64_t r = pick;
+      if (k0 > 0) r = k0 + lane < K ? __ldg(p.expanded_to_permuted + t * K + k0 + lane) : -1;
       bool dest = r >= 0 && r < rows;
       if (dest) dest = __ldg(p.permuted_to_token + r) == t;
       unsigned mask = __ballot_sync(0xffffffffu, dest);
-      if (mask == 0) continue;
+      if (mask == 0) continue;  // a token with no local pick is never read
       V buf[kGatherVecsPerLane];
-      load_chunk<kVecBytes>(p, t, it.chunk, lane, buf);
+      load_chunk<kVecBytes>(p, t, chunk, lane, buf);
       while (mask != 0) {  // destinations in k order
         const int j = __ffs(mask) - 1;
         mask &= mask - 1;
         const std::int64_t dst_row = __shfl_sync(0xffffffffu, r, j);
-        store_chunk<kVecBytes>(p, dst_row, it.chunk, lane, buf);
-        if (it.chunk == 0) copy_scales(p, t, dst_row, lane);
+        store_chunk<kVecBytes>(p, dst_row, chunk, lane, buf);
+        if (chunk == 0) copy_scales(p, t, dst_row, lane);
       }
     }
+    pick = next_pick;
   }
 
   // Phase 2.

@@ -689,9 +689,72 @@ TEST(LayoutCuda, GraphCaptureAndReplayWithNewIds) {
   }
 }
 
-// route_and_layout on the GPU against route_and_layout on the CPU, for model presets: ids and
-// weights (bit for bit: both backends run the same exact arithmetic, routing.h) and every
-// layout array.
+// One route_and_layout call on both backends with the same logits; compares ids and weights bit
+// for bit (both backends run the same exact arithmetic, routing.h) and every layout array.
+void check_route_and_layout(const switchyard::ModelPreset& preset, const Case& c, bool weights_bf16,
+                            std::mt19937_64& g) {
+  SCOPED_TRACE(preset.name + " " + describe(c) + (weights_bf16 ? " weights=bf16" : " weights=fp32"));
+  const std::int64_t T = c.T;
+  const int E = preset.routing.num_experts;
+  const int K = preset.routing.top_k;
+  const std::vector<float> logits = sy_test::random_normal(static_cast<std::size_t>(T * E), g());
+  const std::vector<float> bias = sy_test::random_normal(static_cast<std::size_t>(E), g(), 0.1f);
+  const std::size_t n = static_cast<std::size_t>(T * K);
+  const std::size_t id_bytes = c.ids64 ? 8 : 4;
+  const std::size_t w_bytes = weights_bf16 ? 2 : 4;
+  const DType id_type = c.ids64 ? DType::kInt64 : DType::kInt32;
+  const DType w_type = weights_bf16 ? DType::kBFloat16 : DType::kFloat32;
+  // CPU.
+  std::vector<std::int64_t> cpu_ids(n, 0);  // raw storage for either id type
+  std::vector<float> cpu_weights(n, 0.f);   // raw storage for either weight type
+  HostLayout want(Sizes(T, K, num_local(c), c.M));
+  const TensorView cpu_bias =
+      preset.has_bias ? TensorView::of(bias.data(), DType::kFloat32, {E}, Device::cpu()) : TensorView{};
+  Status s = switchyard::route_and_layout(
+      preset.routing, TensorView::of(logits.data(), DType::kFloat32, {T, E}, Device::cpu()), cpu_bias,
+      TensorView::of(cpu_ids.data(), id_type, {T, K}, Device::cpu()),
+      TensorView::of(cpu_weights.data(), w_type, {T, K}, Device::cpu()),
+      make_config(c, nullptr, Device::cpu()), want.views(), nullptr, 0);
+  ASSERT_TRUE(s.ok()) << "CPU: " << s.to_string();
+  // GPU, outputs poisoned, each followed by a guard zone.
+  DeviceBuffer d_logits = sy_test::to_device(logits);
+  DeviceBuffer d_bias = sy_test::to_device(bias);
+  DeviceBuffer d_ids(n * id_bytes + kGuard * 8);
+  DeviceBuffer d_weights(n * w_bytes + kGuard * 8);
+  sy_test::poison(d_ids);
+  sy_test::poison(d_weights);
+  DeviceLayout got(Sizes(T, K, num_local(c), c.M));
+  got.poison();
+  const LayoutConfig config = make_config(c, nullptr, Device::cuda());
+  std::size_t ws_bytes = 0;
+  ASSERT_TRUE(switchyard::layout_workspace_size(config, T, K, Device::cuda(), &ws_bytes).ok());
+  DeviceBuffer ws(ws_bytes);
+  const TensorView gpu_bias =
+      preset.has_bias ? TensorView::of(d_bias.get(), DType::kFloat32, {E}, Device::cuda()) : TensorView{};
+  s = switchyard::route_and_layout(preset.routing,
+                                   TensorView::of(d_logits.get(), DType::kFloat32, {T, E}, Device::cuda()),
+                                   gpu_bias, TensorView::of(d_ids.get(), id_type, {T, K}, Device::cuda()),
+                                   TensorView::of(d_weights.get(), w_type, {T, K}, Device::cuda()), config,
+                                   got.views(), ws.get(), ws_bytes, nullptr);
+  ASSERT_TRUE(s.ok()) << "GPU: " << s.to_string();
+  SY_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<unsigned char> ids_got(n * id_bytes + kGuard * 8);
+  std::vector<unsigned char> weights_got(n * w_bytes + kGuard * 8);
+  SY_CUDA_OK(cudaMemcpy(ids_got.data(), d_ids.get(), ids_got.size(), cudaMemcpyDeviceToHost));
+  SY_CUDA_OK(cudaMemcpy(weights_got.data(), d_weights.get(), weights_got.size(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(ids_got.data(), cpu_ids.data(), n * id_bytes), 0) << "topk_ids differ";
+  EXPECT_EQ(std::memcmp(weights_got.data(), cpu_weights.data(), n * w_bytes), 0) << "topk_weights differ";
+  EXPECT_TRUE(std::all_of(ids_got.begin() + n * id_bytes, ids_got.end(), [](unsigned char b) {
+    return b == 0xA5;
+  })) << "topk_ids written past [T,K]";
+  EXPECT_TRUE(std::all_of(weights_got.begin() + n * w_bytes, weights_got.end(), [](unsigned char b) {
+    return b == 0xA5;
+  })) << "topk_weights written past [T,K]";
+  expect_same_layout(want, got);
+}
+
+// route_and_layout for the presets of the issue at T = 1 and 19 (one fused kernel), 256 and 8192
+// (routing kernel, then layout kernels), all experts local and a quarter of them (int64 ids).
 TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
@@ -701,13 +764,12 @@ TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
     switchyard::ModelPreset preset;
     ASSERT_TRUE(switchyard::find_preset(name, &preset).ok()) << name;
     const int E = preset.routing.num_experts;
-    const int K = preset.routing.top_k;
-    for (const std::int64_t T : {1, 19, 256, 8192}) {
+    for (const std::int64_t T : {1, 19, 64, 65, 256, 8192}) {
       for (const bool ids64 : {false, true}) {
         Case c;
         c.T = T;
         c.E = E;
-        c.K = K;
+        c.K = preset.routing.top_k;
         c.M = 128;
         c.ids64 = ids64;
         if (ids64) {  // expert parallelism: a quarter of the experts are local
@@ -716,56 +778,37 @@ TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
           c.count = E / 4;
           c.M = 64;
         }
-        SCOPED_TRACE(std::string(name) + " " + describe(c));
-        const std::vector<float> logits = sy_test::random_normal(static_cast<std::size_t>(T * E), g());
-        const std::vector<float> bias = sy_test::random_normal(static_cast<std::size_t>(E), g(), 0.1f);
-        const std::size_t id_bytes = ids64 ? 8 : 4;
-        // CPU.
-        std::vector<std::int64_t> cpu_ids(static_cast<std::size_t>(T * K), 0);  // large enough either way
-        std::vector<float> cpu_weights(static_cast<std::size_t>(T * K), 0.f);
-        HostLayout want(Sizes(T, K, num_local(c), c.M));
-        const DType id_type = ids64 ? DType::kInt64 : DType::kInt32;
-        const TensorView cpu_bias =
-            preset.has_bias ? TensorView::of(bias.data(), DType::kFloat32, {E}, Device::cpu()) : TensorView{};
-        Status s = switchyard::route_and_layout(
-            preset.routing, TensorView::of(logits.data(), DType::kFloat32, {T, E}, Device::cpu()), cpu_bias,
-            TensorView::of(cpu_ids.data(), id_type, {T, K}, Device::cpu()),
-            TensorView::of(cpu_weights.data(), DType::kFloat32, {T, K}, Device::cpu()),
-            make_config(c, nullptr, Device::cpu()), want.views(), nullptr, 0);
-        ASSERT_TRUE(s.ok()) << "CPU: " << s.to_string();
-        // GPU.
-        DeviceBuffer d_logits = sy_test::to_device(logits);
-        DeviceBuffer d_bias = sy_test::to_device(bias);
-        DeviceBuffer d_ids(static_cast<std::size_t>(T * K) * id_bytes + kGuard * 8);
-        DeviceBuffer d_weights(static_cast<std::size_t>(T * K) * 4 + kGuard * 4);
-        sy_test::poison(d_ids);
-        sy_test::poison(d_weights);
-        DeviceLayout got(Sizes(T, K, num_local(c), c.M));
-        got.poison();
-        const LayoutConfig config = make_config(c, nullptr, Device::cuda());
-        std::size_t ws_bytes = 0;
-        ASSERT_TRUE(switchyard::layout_workspace_size(config, T, K, Device::cuda(), &ws_bytes).ok());
-        DeviceBuffer ws(ws_bytes);
-        const TensorView gpu_bias = preset.has_bias
-                                        ? TensorView::of(d_bias.get(), DType::kFloat32, {E}, Device::cuda())
-                                        : TensorView{};
-        s = switchyard::route_and_layout(
-            preset.routing, TensorView::of(d_logits.get(), DType::kFloat32, {T, E}, Device::cuda()), gpu_bias,
-            TensorView::of(d_ids.get(), id_type, {T, K}, Device::cuda()),
-            TensorView::of(d_weights.get(), DType::kFloat32, {T, K}, Device::cuda()), config, got.views(),
-            ws.get(), ws_bytes, nullptr);
-        ASSERT_TRUE(s.ok()) << "GPU: " << s.to_string();
-        SY_CUDA_OK(cudaDeviceSynchronize());
-        const std::size_t n = static_cast<std::size_t>(T * K);
-        std::vector<unsigned char> ids_got(n * id_bytes);
-        std::vector<float> weights_got(n);
-        SY_CUDA_OK(cudaMemcpy(ids_got.data(), d_ids.get(), n * id_bytes, cudaMemcpyDeviceToHost));
-        SY_CUDA_OK(cudaMemcpy(weights_got.data(), d_weights.get(), n * 4, cudaMemcpyDeviceToHost));
-        EXPECT_EQ(std::memcmp(ids_got.data(), cpu_ids.data(), n * id_bytes), 0) << "topk_ids differ";
-        EXPECT_EQ(std::memcmp(weights_got.data(), cpu_weights.data(), n * 4), 0) << "topk_weights differ";
-        expect_same_layout(want, got);
+        check_route_and_layout(preset, c, false, g);
         if (HasFailure()) return;
       }
+    }
+  }
+}
+
+// Every preset (so every routing shape and group rule the fused kernel instantiates) through the
+// one-kernel path, with odd tile sizes, a strided local range and bf16 weights.
+TEST(LayoutCuda, RouteAndLayoutFusedAllPresets) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const switchyard::ModelPreset& preset : switchyard::model_presets()) {
+    const int E = preset.routing.num_experts;
+    for (const std::int64_t T : {0, 1, 7, 64}) {
+      Case c;
+      c.T = T;
+      c.E = E;
+      c.K = preset.routing.top_k;
+      c.M = T == 7 ? 7 : 192;
+      c.ids64 = T == 1;
+      if (T == 64) {
+        c.local = LocalKind::kRange;
+        c.start = 1;
+        c.count = (E - 2) / 3 + 1;
+        c.stride = 3;
+      }
+      check_route_and_layout(preset, c, T == 7, g);
+      if (HasFailure()) return;
     }
   }
 }

@@ -208,6 +208,7 @@ Status layout(const detail::LayoutArgs& args, Stream stream) {
 Status route_and_layout(const detail::RouteArgs& route_args, const detail::LayoutArgs& layout_args,
                         Stream stream) {
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
+  // The routing kernel, then the layout kernels, chained by PDL.
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

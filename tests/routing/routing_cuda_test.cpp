@@ -1,3 +1,644 @@
+// CUDA routing against the CPU oracle (DESIGN.md section 2, issue 3). Every case runs
+// switchyard::route on the GPU and on the CPU over the same input bits and demands:
+//   * topk_ids exactly equal (tie order included), every element written;
+//   * topk_weights bit-equal, fp32 and bf16 alike. The kernels reproduce the oracle's
+//     arithmetic operation for operation (route_warp.cuh), so the tolerance is zero for every
+//     logits dtype; bf16 weights are the same fp32 value rounded by the same routine.
+// Outputs are poisoned before each GPU call. Inputs are fresh random data on every run; the
+// seed is in the failure trace. Without a usable GPU every test skips with the reason.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-TEST(Placeholder, PendingImplementation) { GTEST_SKIP() << "not written yet"; }
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/cuda_test_util.h"
+#include "common/numeric.h"
+#include "common/test_data.h"
+#include "switchyard/switchyard.h"
+
+namespace {
+
+using switchyard::Device;
+using switchyard::DType;
+using switchyard::GroupRule;
+using switchyard::ModelPreset;
+using switchyard::PostFn;
+using switchyard::PreFn;
+using switchyard::RoutingConfig;
+using switchyard::Status;
+using switchyard::TensorView;
+using sy_test::DeviceBuffer;
+
+// Input distributions.
+enum class Kind {
+  kNormal,   // N(0, 1)
+  kWide,     // N(0, 40): exp/sigmoid arguments past the fast range, huge/tiny softmax terms
+  kTied,     // four levels: many exact ties in scores, group scores and weights
+  kSpecial,  // NaN, +-inf, -0, huge, subnormal values, and whole rows of them
+};
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kNormal:
+      return "normal";
+    case Kind::kWide:
+      return "wide";
+    case Kind::kTied:
+      return "tied";
+    case Kind::kSpecial:
+      return "special";
+  }
+  return "?";
+}
+
+const char* pre_name(PreFn f) {
+  const char* n[] = {"none", "softmax", "sigmoid", "sqrtsoftplus"};
+  return n[static_cast<int>(f)];
+}
+const char* post_name(PostFn f) {
+  const char* n[] = {"none", "softmax", "sigmoid", "normalize"};
+  return n[static_cast<int>(f)];
+}
+const char* rule_name(GroupRule r) {
+  const char* n[] = {"none", "top2_sum", "max", "topk_sum"};
+  return n[static_cast<int>(r)];
+}
+
+struct Case {
+  RoutingConfig config;
+  std::int64_t T = 1;
+  DType logits_dtype = DType::kFloat32;
+  bool bias = false;
+  DType bias_dtype = DType::kFloat32;
+  DType ids_dtype = DType::kInt32;
+  DType weights_dtype = DType::kFloat32;
+  Kind kind = Kind::kNormal;
+  std::int64_t extra_stride = 0;  // row stride = E + extra_stride
+  std::int64_t base_offset = 0;   // logits start this many elements into their buffer
+
+  std::string describe() const {
+    std::ostringstream s;
+    const RoutingConfig& c = config;
+    s << "E=" << c.num_experts << " K=" << c.top_k << " pre=" << pre_name(c.pre)
+      << " post=" << post_name(c.post) << " group=" << rule_name(c.group_rule) << "(" << c.n_group << "/"
+      << c.topk_group << ")"
+      << " scale=" << c.scale << " T=" << T << " logits=" << switchyard::dtype_name(logits_dtype)
+      << " bias=" << (bias ? switchyard::dtype_name(bias_dtype) : "-")
+      << " ids=" << switchyard::dtype_name(ids_dtype) << " weights=" << switchyard::dtype_name(weights_dtype)
+      << " kind=" << kind_name(kind) << " stride=+" << extra_stride << " offset=" << base_offset;
+    return s.str();
+  }
+};
+
+float special_value(std::mt19937_64& g) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float v[] = {nan,    -nan,  inf,    -inf,   -0.0f,  0.0f,  1e30f,
+                     -1e30f, 90.0f, -90.0f, 1e-40f, -3e38f, 3e38f, 88.8f};
+  return v[g() % (sizeof(v) / sizeof(v[0]))];
+}
+
+// Logit values for a [T, E] problem (row-major, no stride).
+std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t seed) {
+  const std::size_t n = static_cast<std::size_t>(T) * E;
+  switch (kind) {
+    case Kind::kNormal:
+      return sy_test::random_normal(n, seed, 1.0f);
+    case Kind::kWide:
+      return sy_test::random_normal(n, seed, 40.0f);
+    case Kind::kTied:
+      return sy_test::random_tied(n, seed, 4);
+    case Kind::kSpecial:
+      break;
+  }
+  std::vector<float> v = sy_test::random_normal(n, seed, 2.0f);
+  std::mt19937_64 g(seed ^ 0x9e3779b97f4a7c15ull);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (std::int64_t t = 0; t < T; ++t) {
+    float* row = v.data() + t * E;
+    switch (t % 8) {
+      case 1:
+        std::fill(row, row + E, nan);
+        break;  // no finite logit at all
+      case 2:
+        std::fill(row, row + E, -inf);
+        break;
+      case 3:  // one finite logit among NaN
+        std::fill(row, row + E, nan);
+        row[g() % E] = 0.5f;
+        break;
+      case 4:
+        std::fill(row, row + E, inf);
+        break;
+      case 5:  // many specials
+        for (int e = 0; e < E; ++e)
+          if (g() % 3 == 0) row[e] = special_value(g);
+        break;
+      default:
+        for (int e = 0; e < E; ++e)
+          if (g() % 20 == 0) row[e] = special_value(g);
+        break;
+    }
+  }
+  return v;
+}
+
+std::vector<float> make_bias(Kind kind, int E, std::uint64_t seed) {
+  if (kind == Kind::kTied) return sy_test::random_tied(static_cast<std::size_t>(E), seed, 3);
+  std::vector<float> b = sy_test::random_normal(static_cast<std::size_t>(E), seed, 0.5f);
+  if (kind == Kind::kSpecial) {
+    std::mt19937_64 g(seed + 1);
+    for (float& x : b)
+      if (g() % 10 == 0) x = (g() % 2) ? -0.0f : 0.0f;
+  }
+  return b;
+}
+
+// Host buffer of `count` elements of `dtype` holding `values` (converted the library's way).
+std::vector<std::uint8_t> encode(const std::vector<float>& values, DType dtype, std::size_t count,
+                                 std::size_t first, std::size_t stride, std::size_t row_len) {
+  const std::size_t es = switchyard::dtype_size(dtype);
+  std::vector<std::uint8_t> out(count * es, 0);
+  const std::size_t rows = row_len == 0 ? 0 : values.size() / row_len;
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t e = 0; e < row_len; ++e) {
+      const float v = values[r * row_len + e];
+      const std::size_t i = first + r * stride + e;
+      if (dtype == DType::kFloat32) {
+        std::memcpy(&out[i * 4], &v, 4);
+      } else {
+        const std::uint16_t h = dtype == DType::kBFloat16 ? switchyard::detail::float_to_bf16(v)
+                                                          : switchyard::detail::float_to_fp16(v);
+        std::memcpy(&out[i * 2], &h, 2);
+      }
+    }
+  }
+  return out;
+}
+
+std::int64_t id_at(const std::vector<std::uint8_t>& ids, DType dtype, std::size_t i) {
+  if (dtype == DType::kInt64) {
+    std::int64_t v;
+    std::memcpy(&v, &ids[i * 8], 8);
+    return v;
+  }
+  std::int32_t v;
+  std::memcpy(&v, &ids[i * 4], 4);
+  return v;
+}
+std::uint32_t weight_bits(const std::vector<std::uint8_t>& w, DType dtype, std::size_t i) {
+  if (dtype == DType::kBFloat16) {
+    std::uint16_t v;
+    std::memcpy(&v, &w[i * 2], 2);
+    return v;
+  }
+  std::uint32_t v;
+  std::memcpy(&v, &w[i * 4], 4);
+  return v;
+}
+float weight_value(std::uint32_t bits, DType dtype) {
+  if (dtype == DType::kBFloat16) return switchyard::detail::bf16_to_float(static_cast<std::uint16_t>(bits));
+  return switchyard::detail::bits_float(bits);
+}
+
+// The inputs of one case, on the host and on the device.
+struct Problem {
+  Case c;
+  std::int64_t stride = 0;
+  std::vector<float> values;  // [T, E]
+  std::vector<std::uint8_t> logits_host, bias_host;
+  DeviceBuffer logits_dev, bias_dev, ids_dev, weights_dev;
+
+  TensorView logits_view(Device d) const {
+    const void* base = d.is_cuda() ? logits_dev.get() : static_cast<const void*>(logits_host.data());
+    const std::size_t es = switchyard::dtype_size(c.logits_dtype);
+    const void* p = static_cast<const std::uint8_t*>(base) + c.base_offset * es;
+    return TensorView::of(p, c.logits_dtype, {c.T, c.config.num_experts}, d).with_row_stride(stride);
+  }
+  TensorView bias_view(Device d) const {
+    if (!c.bias) return TensorView{};
+    const void* p = d.is_cuda() ? bias_dev.get() : static_cast<const void*>(bias_host.data());
+    return TensorView::of(p, c.bias_dtype, {c.config.num_experts}, d);
+  }
+};
+
+void fill_inputs(Problem& pr, std::uint64_t seed) {
+  const Case& c = pr.c;
+  const int E = c.config.num_experts;
+  pr.values = make_values(c.kind, c.T, E, seed);
+  const std::size_t count =
+      static_cast<std::size_t>(c.base_offset + (c.T > 0 ? (c.T - 1) * pr.stride + E : 0));
+  pr.logits_host = encode(pr.values, c.logits_dtype, count, c.base_offset, pr.stride, E);
+  if (c.bias) pr.bias_host = encode(make_bias(c.kind, E, seed + 7), c.bias_dtype, E, 0, E, E);
+}
+
+Problem make_problem(const Case& c, std::uint64_t seed) {
+  Problem pr;
+  pr.c = c;
+  pr.stride = c.config.num_experts + c.extra_stride;
+  fill_inputs(pr, seed);
+  pr.logits_dev = sy_test::to_device(pr.logits_host);
+  if (c.bias) pr.bias_dev = sy_test::to_device(pr.bias_host);
+  const std::size_t n = static_cast<std::size_t>(c.T) * c.config.top_k;
+  pr.ids_dev = DeviceBuffer(n * switchyard::dtype_size(c.ids_dtype) + 64);
+  pr.weights_dev = DeviceBuffer(n * switchyard::dtype_size(c.weights_dtype) + 64);
+  return pr;
+}
+
+// CPU oracle outputs for the problem's current inputs.
+void run_cpu(const Problem& pr, std::vector<std::uint8_t>* ids, std::vector<std::uint8_t>* weights) {
+  const Case& c = pr.c;
+  const std::size_t n = static_cast<std::size_t>(c.T) * c.config.top_k;
+  ids->assign(n * switchyard::dtype_size(c.ids_dtype), 0);
+  weights->assign(n * switchyard::dtype_size(c.weights_dtype), 0);
+  const Status s = switchyard::route(c.config, pr.logits_view(Device::cpu()), pr.bias_view(Device::cpu()),
+                                     TensorView::of(ids->data(), c.ids_dtype, {c.T, c.config.top_k}),
+                                     TensorView::of(weights->data(), c.weights_dtype, {c.T, c.config.top_k}));
+  ASSERT_TRUE(s.ok()) << "CPU oracle: " << s.to_string();
+}
+
+TensorView ids_view(const Problem& pr) {
+  return TensorView::of(pr.ids_dev.get(), pr.c.ids_dtype, {pr.c.T, pr.c.config.top_k}, Device::cuda());
+}
+TensorView weights_view(const Problem& pr) {
+  return TensorView::of(pr.weights_dev.get(), pr.c.weights_dtype, {pr.c.T, pr.c.config.top_k},
+                        Device::cuda());
+}
+
+// Compares the device outputs with the CPU oracle; reports the first few differences.
+void compare(const Problem& pr, const std::vector<std::uint8_t>& cpu_ids,
+             const std::vector<std::uint8_t>& cpu_w) {
+  const Case& c = pr.c;
+  const int K = c.config.top_k;
+  const std::size_t n = static_cast<std::size_t>(c.T) * K;
+  const auto gpu_ids = sy_test::to_host<std::uint8_t>(pr.ids_dev, cpu_ids.size());
+  const auto gpu_w = sy_test::to_host<std::uint8_t>(pr.weights_dev, cpu_w.size());
+  int reported = 0;
+  std::int64_t bad_rows = 0, last_bad = -1;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int64_t gi = id_at(gpu_ids, c.ids_dtype, i), ci = id_at(cpu_ids, c.ids_dtype, i);
+    const std::uint32_t gw = weight_bits(gpu_w, c.weights_dtype, i),
+                        cw = weight_bits(cpu_w, c.weights_dtype, i);
+    if (gi == ci && gw == cw) continue;
+    const std::int64_t t = static_cast<std::int64_t>(i) / K;
+    if (t != last_bad) ++bad_rows;
+    last_bad = t;
+    if (reported < 6) {
+      ++reported;
+      std::ostringstream row;
+      const int E = c.config.num_experts;
+      for (int e = 0; e < std::min(E, 12); ++e) row << pr.values[t * E + e] << " ";
+      ADD_FAILURE() << "row " << t << " k " << (i % K) << ": gpu id " << gi << " weight "
+                    << weight_value(gw, c.weights_dtype) << " (0x" << std::hex << gw << std::dec
+                    << "), cpu id " << ci << " weight " << weight_value(cw, c.weights_dtype) << " (0x"
+                    << std::hex << cw << std::dec << "); row starts " << row.str();
+    }
+  }
+  if (bad_rows > 0) ADD_FAILURE() << bad_rows << " of " << c.T << " rows differ";
+}
+
+// One case: poison, route on the GPU, compare with the CPU oracle.
+void check_case(const Case& c) {
+  const std::uint64_t seed = sy_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + ": " + c.describe());
+  ASSERT_TRUE(switchyard::validate(c.config).ok()) << switchyard::validate(c.config).to_string();
+  Problem pr = make_problem(c, seed);
+  ASSERT_NE(pr.logits_dev.get(), nullptr);
+  std::vector<std::uint8_t> cpu_ids, cpu_w;
+  run_cpu(pr, &cpu_ids, &cpu_w);
+  sy_test::poison(pr.ids_dev);
+  sy_test::poison(pr.weights_dev);
+  const Status s = switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
+                                     ids_view(pr), weights_view(pr), nullptr);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  SY_CUDA_OK(cudaDeviceSynchronize());
+  compare(pr, cpu_ids, cpu_w);
+}
+
+RoutingConfig make_config(int E, int K, PreFn pre, PostFn post, float scale = 1.0f) {
+  RoutingConfig c;
+  c.num_experts = E;
+  c.top_k = K;
+  c.pre = pre;
+  c.post = post;
+  c.scale = scale;
+  return c;
+}
+
+const DType kLogitDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+const Kind kKinds[] = {Kind::kNormal, Kind::kTied, Kind::kSpecial, Kind::kWide};
+
+// Varies the dtypes of ids, weights and bias, the stride and the alignment with a counter, so
+// that sweeps cover every combination without a full cartesian product.
+void vary(Case& c, int i) {
+  c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
+  c.weights_dtype = (i % 3 == 2) ? DType::kBFloat16 : DType::kFloat32;
+  c.bias_dtype = (i % 5 >= 3) ? DType::kBFloat16 : DType::kFloat32;
+  c.extra_stride = (i % 7 == 3) ? 3 : (i % 7 == 5) ? 4 : (i % 7 == 6) ? 1 : 0;
+  c.base_offset = (i % 11 == 4) ? 1 : (i % 11 == 7) ? 2 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+// Every preset, every logits dtype and input kind, the odd small token counts.
+TEST(RoutingCuda, PresetsSmallT) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (const ModelPreset& m : switchyard::model_presets()) {
+    for (DType dt : kLogitDtypes) {
+      for (std::int64_t T : {1, 3, 19, 111, 989}) {
+        for (Kind kind : kKinds) {
+          Case c;
+          c.config = m.routing;
+          c.bias = m.has_bias;
+          c.T = T;
+          c.logits_dtype = dt;
+          c.kind = kind;
+          vary(c, i++);
+          check_case(c);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// Large token counts for a few presets (the CPU oracle is the slow part: kept few).
+TEST(RoutingCuda, PresetsLargeT) {
+  SY_SKIP_WITHOUT_GPU();
+  const char* names[] = {"deepseek-v3", "qwen3-next-80b", "kimi-k2", "mixtral-8x7b", "deepseek-v2"};
+  int i = 0;
+  for (const char* name : names) {
+    ModelPreset m;
+    ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
+    for (std::int64_t T : {4096, 16384, 65536}) {
+      Case c;
+      c.config = m.routing;
+      c.bias = m.has_bias;
+      c.T = T;
+      c.logits_dtype = (i % 3 == 1) ? DType::kBFloat16 : DType::kFloat32;
+      c.kind = (T == 16384) ? Kind::kTied : Kind::kNormal;
+      c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
+      ++i;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+  ModelPreset wide;
+  ASSERT_TRUE(switchyard::find_preset("wide-2048", &wide).ok());
+  Case c;
+  c.config = wide.routing;
+  c.T = 4096;
+  check_case(c);
+}
+
+// Every pre x post function, with and without bias, over the expert counts of real models and
+// the shape boundaries, and the K values of interest.
+TEST(RoutingCuda, PrePostSweep) {
+  SY_SKIP_WITHOUT_GPU();
+  const int experts[] = {8, 160, 256, 384, 512, 576, 896, 2048, 4096};
+  const int ks[] = {1, 2, 8, 10, 22, 32};
+  int i = 0;
+  for (int E : experts) {
+    for (int K : ks) {
+      if (K > E) continue;
+      for (int pre = 0; pre < 4; ++pre) {
+        for (int post = 0; post < 4; ++post) {
+          Case c;
+          c.config = make_config(E, K, static_cast<PreFn>(pre), static_cast<PostFn>(post),
+                                 (i % 4 == 1) ? 2.5f : 1.0f);
+          c.bias = (i % 2) == 1;
+          c.T = E >= 2048 ? 19 : (i % 3 == 0 ? 111 : 19);
+          c.logits_dtype = kLogitDtypes[i % 3];
+          c.kind = kKinds[(i / 3) % 4];
+          vary(c, i);
+          ++i;
+          check_case(c);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// Expert counts around every shape boundary of the kernel (route_warp.cuh's table), including
+// counts that are not multiples of 4 (scalar tail loads).
+TEST(RoutingCuda, ExpertCountBoundaries) {
+  SY_SKIP_WITHOUT_GPU();
+  const int experts[] = {1,   2,   3,   4,   5,   7,   9,    13,   16,   17,   31,   32,   33,  63,
+                         64,  65,  100, 127, 128, 129, 159,  161,  255,  257,  383,  385,  511, 513,
+                         575, 577, 767, 769, 895, 897, 1023, 1025, 1535, 1537, 2047, 2049, 4095};
+  int i = 0;
+  for (int E : experts) {
+    for (int K : {1, 3, 32}) {
+      if (K > E) continue;
+      Case c;
+      c.config = make_config(E, K, static_cast<PreFn>(i % 4), static_cast<PostFn>((i / 4) % 4));
+      c.bias = (i % 3) == 0;
+      c.T = 37;
+      c.logits_dtype = kLogitDtypes[i % 3];
+      c.kind = kKinds[i % 4];
+      vary(c, i);
+      ++i;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Group limits: every rule, group sizes on the fast chunk path (G % 4 == 0, at most two scores
+// summed) and on the generic path (any other G, topk_sum with more than two scores).
+TEST(RoutingCuda, GroupLimits) {
+  SY_SKIP_WITHOUT_GPU();
+  struct G {
+    int E, n_group, topk_group, K;
+  };
+  const G groups[] = {
+      {256, 8, 4, 8},    {256, 8, 1, 8},   {256, 8, 7, 8},    {256, 4, 2, 8},   {256, 2, 1, 8},
+      {256, 64, 5, 8},   {256, 256, 8, 8}, {256, 128, 9, 10}, {160, 8, 3, 6},   {160, 8, 3, 8},
+      {160, 5, 2, 10},   {160, 40, 4, 8},  {384, 12, 4, 8},   {384, 96, 7, 22}, {512, 8, 2, 10},
+      {512, 16, 4, 32},  {576, 9, 3, 10},  {576, 144, 11, 8}, {896, 7, 3, 8},   {896, 14, 5, 22},
+      {2048, 32, 4, 32}, {2048, 64, 8, 8}, {4096, 64, 8, 32}, {4096, 8, 2, 8},  {8, 2, 1, 2},
+      {8, 4, 2, 2},      {16, 4, 2, 4},    {12, 3, 2, 4},     {64, 16, 3, 8},   {120, 6, 2, 8},
+      {100, 25, 3, 8},   {96, 3, 1, 8},
+  };
+  int i = 0;
+  for (const G& g : groups) {
+    for (GroupRule rule : {GroupRule::kTop2Sum, GroupRule::kMax, GroupRule::kTopKSum}) {
+      Case c;
+      c.config = make_config(g.E, g.K, static_cast<PreFn>((i + 2) % 4), static_cast<PostFn>((i / 2) % 4),
+                             (i % 3 == 0) ? 2.5f : 1.0f);
+      c.config.group_rule = rule;
+      c.config.n_group = g.n_group;
+      c.config.topk_group = g.topk_group;
+      if (!switchyard::validate(c.config).ok()) continue;  // e.g. topk_sum with K / topk_group > G
+      c.bias = (i % 2) == 0;
+      c.T = g.E >= 2048 ? 19 : 111;
+      c.logits_dtype = kLogitDtypes[i % 3];
+      c.kind = kKinds[(i / 3) % 4];
+      vary(c, i);
+      ++i;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Ties everywhere: few levels, all-equal rows, every K.
+TEST(RoutingCuda, TieHeavy) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int E : {8, 64, 160, 256, 512, 2048}) {
+    for (int K : {1, 2, 8, 10, 22, 32}) {
+      if (K > E) continue;
+      Case c;
+      c.config = make_config(E, K, static_cast<PreFn>(i % 4), static_cast<PostFn>((i + 1) % 4));
+      if (E % 8 == 0 && K <= E / 2) {
+        c.config.group_rule = static_cast<GroupRule>(1 + i % 3);
+        c.config.n_group = 8;
+        c.config.topk_group = 4;
+        if (!switchyard::validate(c.config).ok()) c.config.group_rule = GroupRule::kNone;
+      }
+      c.bias = (i % 2) == 1;
+      c.T = 333;
+      c.kind = Kind::kTied;
+      c.logits_dtype = kLogitDtypes[i % 3];
+      vary(c, i);
+      ++i;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied
+// into the same buffers; each replay is compared with the CPU oracle.
+TEST(RoutingCuda, GraphReplayWithNewInputs) {
+  SY_SKIP_WITHOUT_GPU();
+  for (const char* name : {"deepseek-v3", "qwen3-next-80b", "mixtral-8x7b"}) {
+    ModelPreset m;
+    ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
+    Case c;
+    c.config = m.routing;
+    c.bias = m.has_bias;
+    c.T = 777;
+    std::uint64_t seed = sy_test::fresh_seed();
+    SCOPED_TRACE(std::string(name) + " first seed " + std::to_string(seed));
+    Problem pr = make_problem(c, seed);
+    cudaStream_t stream;
+    SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph = nullptr;
+    SY_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status s = switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
+                                       ids_view(pr), weights_view(pr), stream);
+    SY_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    cudaGraphExec_t exec = nullptr;
+    SY_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 4; ++replay) {
+      seed = sy_test::fresh_seed();
+      SCOPED_TRACE("replay " + std::to_string(replay) + " seed " + std::to_string(seed));
+      pr.c.kind = kKinds[replay % 4];
+      fill_inputs(pr, seed);
+      SY_CUDA_OK(cudaMemcpyAsync(pr.logits_dev.get(), pr.logits_host.data(), pr.logits_host.size(),
+                                 cudaMemcpyHostToDevice, stream));
+      if (c.bias) {
+        SY_CUDA_OK(cudaMemcpyAsync(pr.bias_dev.get(), pr.bias_host.data(), pr.bias_host.size(),
+                                   cudaMemcpyHostToDevice, stream));
+      }
+      SY_CUDA_OK(cudaMemsetAsync(pr.ids_dev.get(), 0xA5, pr.ids_dev.bytes(), stream));
+      SY_CUDA_OK(cudaMemsetAsync(pr.weights_dev.get(), 0xA5, pr.weights_dev.bytes(), stream));
+      SY_CUDA_OK(cudaGraphLaunch(exec, stream));
+      SY_CUDA_OK(cudaStreamSynchronize(stream));
+      std::vector<std::uint8_t> cpu_ids, cpu_w;
+      run_cpu(pr, &cpu_ids, &cpu_w);
+      compare(pr, cpu_ids, cpu_w);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+}
+
+// Back-to-back calls on one stream (programmatic dependent launch between them) must each see
+// the previous call's inputs and outputs in order: route, overwrite the logits on the stream,
+// route again into the same outputs.
+TEST(RoutingCuda, BackToBackCallsOnOneStream) {
+  SY_SKIP_WITHOUT_GPU();
+  ModelPreset m;
+  ASSERT_TRUE(switchyard::find_preset("kimi-k2", &m).ok());
+  Case c;
+  c.config = m.routing;
+  c.bias = m.has_bias;
+  c.T = 4096;
+  const std::uint64_t seed = sy_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Problem pr = make_problem(c, seed);
+  cudaStream_t stream;
+  SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
+                                  ids_view(pr), weights_view(pr), stream)
+                    .ok());
+  }
+  fill_inputs(pr, seed + 1);
+  SY_CUDA_OK(cudaMemcpyAsync(pr.logits_dev.get(), pr.logits_host.data(), pr.logits_host.size(),
+                             cudaMemcpyHostToDevice, stream));
+  ASSERT_TRUE(switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
+                                ids_view(pr), weights_view(pr), stream)
+                  .ok());
+  SY_CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<std::uint8_t> cpu_ids, cpu_w;
+  run_cpu(pr, &cpu_ids, &cpu_w);
+  compare(pr, cpu_ids, cpu_w);
+  cudaStreamDestroy(stream);
+}
+
+// Requests past the CUDA backend's range get a clear status and write nothing; T = 0 is fine.
+TEST(RoutingCuda, UnsupportedRequestsWriteNothing) {
+  SY_SKIP_WITHOUT_GPU();
+  struct Bad {
+    int E, K;
+    const char* arg;
+  };
+  for (const Bad& b :
+       {Bad{64, 33, "config.top_k"}, Bad{4097, 8, "config.num_experts"}, Bad{8192, 40, "config.top_k"}}) {
+    SCOPED_TRACE("E=" + std::to_string(b.E) + " K=" + std::to_string(b.K));
+    const std::int64_t T = 5;
+    const RoutingConfig cfg = make_config(b.E, b.K, PreFn::kNone, PostFn::kSoftmax);
+    const std::vector<float> logits = sy_test::random_normal(static_cast<std::size_t>(T) * b.E, 1);
+    DeviceBuffer dl = sy_test::to_device(logits);
+    DeviceBuffer ids(static_cast<std::size_t>(T) * b.K * 4), w(static_cast<std::size_t>(T) * b.K * 4);
+    sy_test::poison(ids);
+    sy_test::poison(w);
+    const Status s =
+        switchyard::route(cfg, TensorView::of(dl.get(), DType::kFloat32, {T, b.E}, Device::cuda()),
+                          TensorView{}, TensorView::of(ids.get(), DType::kInt32, {T, b.K}, Device::cuda()),
+                          TensorView::of(w.get(), DType::kFloat32, {T, b.K}, Device::cuda()));
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find(b.arg), std::string::npos) << s.to_string();
+    SY_CUDA_OK(cudaDeviceSynchronize());
+    for (std::uint8_t byte : sy_test::to_host<std::uint8_t>(ids, ids.bytes()))
+      ASSERT_EQ(byte, sy_test::kPoisonByte);
+    for (std::uint8_t byte : sy_test::to_host<std::uint8_t>(w, w.bytes()))
+      ASSERT_EQ(byte, sy_test::kPoisonByte);
+  }
+  // T = 0: ok, nothing launched.
+  DeviceBuffer dl(64), ids(64), w(64);
+  const RoutingConfig cfg = make_config(8, 2, PreFn::kNone, PostFn::kSoftmax);
+  const Status s =
+      switchyard::route(cfg, TensorView::of(dl.get(), DType::kFloat32, {0, 8}, Device::cuda()), TensorView{},
+                        TensorView::of(ids.get(), DType::kInt32, {0, 2}, Device::cuda()),
+                        TensorView::of(w.get(), DType::kFloat32, {0, 2}, Device::cuda()));
+  EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
+}  // namespace

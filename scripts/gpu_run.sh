@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Builds Switchyard on the lent GPU machine and runs the GPU tests, compute-sanitizer and the
+# benchmarks; everything lands in $OUT/results.tgz plus a summary on stdout.
+#   SRC=. STEPS=build,test,sanitize,bench,python COMMIT=<sha> bash scripts/gpu_run.sh
+set -uo pipefail
+SRC="$(cd "${SRC:-.}" && pwd)"
+STEPS="${STEPS:-build,test,sanitize,bench}"
+OUT="${OUT:-/tmp/sy_out}"
+RES=/tmp/sy_results
+B=/tmp/sy_build
+mkdir -p "$OUT" "$RES"
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+export PATH="/usr/local/cuda/bin:$PATH"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$RES/gpu.txt" 2>&1
+cat "$RES/gpu.txt"
+
+if has build; then
+  start=$(date +%s)
+  cmake -S "$SRC" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSWITCHYARD_GIT_COMMIT="${COMMIT:-}" \
+    >"$RES/configure.log" 2>&1 || { tail -30 "$RES/configure.log"; }
+  cmake --build "$B" -j "$(nproc)" >"$RES/build.log" 2>&1 || { grep -E "error|Error" "$RES/build.log" | head -40; }
+  echo "build: $(( $(date +%s) - start )) s"
+fi
+
+if has test; then
+  for t in test_routing_cuda test_layout_cuda test_permute_cuda; do
+    start=$(date +%s)
+    timeout 400 "$B/tests/$t" --gtest_brief=1 >"$RES/$t.log" 2>&1
+    rc=$?
+    echo "$t rc=$rc $(( $(date +%s) - start )) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$RES/$t.log" | tr '\n' ' ')"
+    [ $rc -ne 0 ] && grep -E "FAILED|Failure|error" "$RES/$t.log" | head -20
+  done
+  (cd "$B" && ctest -E cuda -j 8 >"$RES/ctest_cpu.log" 2>&1; tail -3 "$RES/ctest_cpu.log")
+fi
+
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    for t in test_routing_cuda test_layout_cuda test_permute_cuda; do
+      filt="${SANITIZE_FILTER:-*}"
+      timeout 240 compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
+        "$B/tests/$t" --gtest_brief=1 --gtest_filter="$filt" >"$RES/san_${tool}_$t.log" 2>&1
+      echo "compute-sanitizer $tool $t rc=$? $(grep -E 'ERROR SUMMARY' "$RES/san_${tool}_$t.log" | tail -1)"
+    done
+  done
+fi
+
+if has bench; then
+  for s in routing layout permute; do
+    start=$(date +%s)
+    timeout 300 "$B/bench/bench_$s" "$RES/bench_$s.json" >"$RES/bench_$s.md" 2>&1
+    echo "bench_$s rc=$? $(( $(date +%s) - start )) s"
+  done
+fi
+
+if has python; then
+  (cd "$SRC" && timeout 400 bash scripts/python_test >"$RES/python.log" 2>&1; echo "python rc=$?"; tail -5 "$RES/python.log")
+fi
+
+if has demo; then
+  "$B/bench/switchyard_demo" 2>&1 | tee "$RES/demo.log"
+fi
+
+tar -czf "$OUT/results.tgz" -C "$RES" .

@@ -303,24 +303,44 @@ __device__ __forceinline__ float exp_fast(float x) {
   return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
 }
 
-__device__ __noinline__ float exp_slow(float x) { return detail::exp_f32(x); }
-__device__ __noinline__ float pre_slow(PreFn pre, float s) { return detail::pre_elementwise(pre, s); }
-__device__ __noinline__ float div_slow(float a, float b) { return __fdiv_rn(a, b); }
+__device__ inline __noinline__ float exp_slow(float x) { return detail::exp_f32(x); }
+__device__ inline __noinline__ float pre_slow(PreFn pre, float s) { return detail::pre_elementwise(pre, s); }
+__device__ inline __noinline__ float div_slow(float a, float b) { return __fdiv_rn(a, b); }
 
 __device__ __forceinline__ float exp_any(float x) { return fabsf(x) <= 86.5f ? exp_fast(x) : exp_slow(x); }
 
-// detail::sigmoid_f32 / pre_elementwise(kSigmoid, s), bit for bit.
+// RN(1 / d) for d in [1, 2^125] without a branch: the fast path of the compiler's own rcp.rn
+// lowering for normal inputs (sm_90 SASS: MUFU.RCP; FFMA d*y-1; FFMA y+y*e), which it takes
+// whenever d's biased exponent is in [1, 252], so the bits are those of __frcp_rn(d).
+__device__ __forceinline__ float rcp_normal(float d) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+  return fmaf(y, fmaf(-d, y, 1.0f), y);
+#else
+  return __frcp_rn(d);  // host emulation of this file
+#endif
+}
+
+// Sigmoid for |s| <= 86.5 (d = 1 + exp(-s) is then in [1, 2^125]).
+__device__ __forceinline__ float sigmoid_fast(float s) { return rcp_normal(__fadd_rn(1.0f, exp_fast(-s))); }
+
+// detail::sigmoid_f32 / pre_elementwise(kSigmoid, s), bit for bit, for any s.
 __device__ __forceinline__ float sigmoid_pre(float s) {
-  if (fabsf(s) <= 86.5f) return __frcp_rn(__fadd_rn(1.0f, exp_fast(-s)));
+  if (fabsf(s) <= 86.5f) return sigmoid_fast(s);
   return pre_slow(PreFn::kSigmoid, s);
 }
 
-// a / b, correctly rounded, for a in [0, 1] and b in [1, 4096] given y = RN(1 / b).
-__device__ __forceinline__ float div_by(float a, float b, float y) {
-  if (a < 0x1p-64f && a != 0.0f) return div_slow(a, b);
+// a / b, correctly rounded, for a in [2^-64, 1] (or 0) and b in [1, 4096] given y = RN(1 / b).
+__device__ __forceinline__ float div_fast(float a, float b, float y) {
   const float q = __fmul_rn(a, y);
   const float r = fmaf(-b, q, a);
   return fmaf(r, y, q);
+}
+// The same for any a in [0, 1].
+__device__ __forceinline__ float div_by(float a, float b, float y) {
+  if (a < 0x1p-64f && a != 0.0f) return div_slow(a, b);
+  return div_fast(a, b, y);
 }
 
 // Softmax constants of one row: p = exp(s - m) / sum for finite s.
@@ -543,6 +563,10 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, neg_inf(), &v[4 * i]);
 
   // 2. Pre-scores p (in v).
+  // The per-value math has a fast path (exp_fast, div_fast, rcp_normal) and a general one. A
+  // lane checks its values once and runs a branch-free loop when all are in the fast range, so
+  // that the compiler can interleave the values' dependency chains; the general loop (one
+  // branch per value) only runs in lanes that hold extreme or non-finite logits.
   SoftmaxRow sm{0.0f, 1.0f, 1.0f};
   if (p.pre == PreFn::kSoftmax) {
     float mx = neg_inf();
@@ -552,13 +576,28 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     float acc[NA];
 #pragma unroll
     for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
-      // v becomes exp(v - m) for finite v and keeps non-finite v as is (exp results are finite,
-      // so finite(v) still tells the two apart afterwards).
+    // v becomes exp(v - m) for finite v and keeps non-finite v as is (exp results are finite,
+    // so finite(v) still tells the two apart afterwards). exp(x) >= 2^-64 for x >= -44, which
+    // keeps the division below on its fast path too.
+    float lowest = 0.0f;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const bool f = finite(v[j]);
-      v[j] = f ? exp_any(__fadd_rn(v[j], -sm.m)) : v[j];
-      acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? v[j] : 0.0f);
+    for (int j = 0; j < V; ++j) lowest = finite(v[j]) ? fminf(lowest, __fadd_rn(v[j], -sm.m)) : lowest;
+    const bool fast = lowest >= -44.0f;
+    if (fast) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const bool f = finite(v[j]);
+        const float e = exp_fast(__fadd_rn(v[j], -sm.m));
+        v[j] = f ? e : v[j];
+        acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? e : 0.0f);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const bool f = finite(v[j]);
+        v[j] = f ? exp_any(__fadd_rn(v[j], -sm.m)) : v[j];
+        acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? v[j] : 0.0f);
+      }
     }
     // Butterfly steps >= W inside the lane (accumulator a holds partial W*a + l), then < W.
 #pragma unroll
@@ -575,10 +614,21 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     sm.sum = sum;
     sm.rcp = __frcp_rn(sum);
 #pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = finite(v[j]) ? div_by(v[j], sm.sum, sm.rcp) : v[j];
+    for (int j = 0; j < V; ++j) {
+      const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);
+      v[j] = finite(v[j]) ? q : v[j];
+    }
   } else if (p.pre == PreFn::kSigmoid) {
+    bool fast = true;  // a NaN logit fails the test
 #pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = sigmoid_pre(v[j]);
+    for (int j = 0; j < V; ++j) fast = fast && fabsf(v[j]) <= 86.5f;
+    if (fast) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = sigmoid_fast(v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = sigmoid_pre(v[j]);
+    }
   } else if (p.pre == PreFn::kSqrtSoftplus) {
 #pragma unroll
     for (int j = 0; j < V; ++j) v[j] = pre_slow(PreFn::kSqrtSoftplus, v[j]);

@@ -592,6 +592,10 @@ TEST(RoutingCuda, BackToBackCallsOnOneStream) {
   fill_inputs(pr, seed + 1);
   SY_CUDA_OK(cudaMemcpyAsync(pr.logits_dev.get(), pr.logits_host.data(), pr.logits_host.size(),
                              cudaMemcpyHostToDevice, stream));
+  if (c.bias) {  // fill_inputs drew a new bias too
+    SY_CUDA_OK(cudaMemcpyAsync(pr.bias_dev.get(), pr.bias_host.data(), pr.bias_host.size(),
+                               cudaMemcpyHostToDevice, stream));
+  }
   ASSERT_TRUE(switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
                                 ids_view(pr), weights_view(pr), stream)
                   .ok());

@@ -82,7 +82,9 @@ inline Timing time_in_graph(const std::function<bool(cudaStream_t, int)>& enqueu
   return t;
 }
 
-// Device-to-device copy bandwidth in bytes/s (bytes read + written) over a 1 GiB copy.
+// Device-to-device copy bandwidth in bytes/s (bytes read + written): 1 GiB copies, after
+// ~100 ms of the same copies so that the clocks have ramped up; the best median of three
+// graph timings (BENCHMARKING.md measured 4.14 TB/s on our H200 this way).
 inline double measure_copy_bandwidth() {
   const size_t bytes = size_t(1) << 30;
   void *a = nullptr, *b = nullptr;
@@ -91,12 +93,18 @@ inline double measure_copy_bandwidth() {
     return 0;
   }
   cudaMemset(a, 1, bytes);
-  Timing t = time_in_graph(
-      [&](cudaStream_t s, int) { return cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s) == cudaSuccess; }, 2,
-      20);
+  auto copy = [&](cudaStream_t s, int) {
+    return cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s) == cudaSuccess;
+  };
+  time_in_graph(copy, 10, 20);  // warm-up: ~200 copies
+  double best_us = 0;
+  for (int i = 0; i < 3; ++i) {
+    const Timing t = time_in_graph(copy, 4, 25);
+    if (t.ok && (best_us == 0 || t.median_us < best_us)) best_us = t.median_us;
+  }
   cudaFree(a);
   cudaFree(b);
-  return t.ok ? 2.0 * bytes / (t.median_us * 1e-6) : 0;
+  return best_us > 0 ? 2.0 * bytes / (best_us * 1e-6) : 0;
 }
 
 inline std::string device_name() {

@@ -5,8 +5,8 @@
 // STABLE INTERFACE (other kernels call it; keep these signatures):
 //
 //   RouteParams make_route_params(const detail::RouteArgs& args);            // host
-//   Status dispatch_route_shape(int num_experts, F&& f);                      // host
-//       calls f(Shape{}) with the RouteShape<W, S, D> for E (see route_shape_index), returns
+//   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f);  // host
+//       calls f(Shape{}) with the RouteShape<W, S, D> for E and T (route_shape_index), returns
 //       its Status; Unsupported past kMaxGpuExperts.
 //   std::size_t route_smem_bytes_per_warp<Shape>(const RouteParams& p);     // host
 //       dynamic shared memory each warp must own (0 unless a group limit is used).
@@ -110,7 +110,6 @@ struct RouteParams {
   int group_size = 1;        // G = E / n_group
   int group_take = 1;        // scores summed per group: min(take, G)
   unsigned group_magic = 0;  // fast division by G (or by G / 4 on the chunk path); 0: divisor 1
-  int smem_row_bytes = 0;    // shared memory per routed row
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
@@ -152,25 +151,56 @@ struct RoutedPicks {
   float weight[Shape::kSlots];
 };
 
-// Shapes by expert count; kShapeTable[i] serves E <= its bound. Chosen so that few slots are
-// padding and per-row reductions are shared by several rows where a row is small.
+// Shapes. A shape entry serves E <= max_experts within its table. Two tables:
+//  * throughput (T > kLatencyTokens): narrow segments where a row is small, so that one
+//    redux.sync serves several rows and few slots are padding (E = 160: 8 lanes x 5 stripes);
+//  * latency (T <= kLatencyTokens, 32 < E <= 640): 32 lanes per row, so that a lone row's
+//    serial work per lane (its values' math, buffer inserts) is as short as possible.
 struct ShapeEntry {
   int max_experts, w, s, d;
 };
 inline constexpr ShapeEntry kShapeTable[] = {
-    {4, 1, 1, 2},      {8, 2, 1, 2},      {16, 4, 1, 2},   {32, 8, 1, 2},    {64, 8, 2, 2},
-    {128, 8, 4, 3},    {160, 8, 5, 3},    {256, 8, 8, 3},  {384, 16, 6, 3},  {512, 16, 8, 3},
-    {576, 16, 9, 3},   {768, 32, 6, 3},   {896, 32, 7, 3}, {1024, 32, 8, 3}, {1536, 32, 12, 4},
-    {2048, 32, 16, 4}, {4096, 32, 32, 4},
+    // throughput table, indices [0, kLatencyBase)
+    {4, 1, 1, 2},
+    {8, 2, 1, 2},
+    {16, 4, 1, 2},
+    {32, 8, 1, 2},
+    {64, 8, 2, 2},
+    {128, 8, 4, 3},
+    {160, 8, 5, 3},
+    {256, 8, 8, 3},
+    {384, 16, 6, 3},
+    {512, 16, 8, 3},
+    {576, 16, 9, 3},
+    {768, 32, 6, 3},
+    {896, 32, 7, 3},
+    {1024, 32, 8, 3},
+    {1536, 32, 12, 4},
+    {2048, 32, 16, 4},
+    {4096, 32, 32, 4},
+    // latency table, indices [kLatencyBase, kNumShapes); past its end the throughput table
+    // (32 lanes wide there) serves small T too
+    {64, 16, 1, 2},
+    {128, 32, 1, 2},
+    {256, 32, 2, 2},
+    {384, 32, 3, 2},
+    {512, 32, 4, 2},
+    {640, 32, 5, 3},
 };
 inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
+inline constexpr int kLatencyBase = 17;
+inline constexpr std::int64_t kLatencyTokens = 1024;
 
 template <int I>
 using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>;
 
-// Index in kShapeTable for E, or -1 when E is past the last entry.
-inline int route_shape_index(int num_experts) {
-  for (int i = 0; i < kNumShapes; ++i)
+// Index in kShapeTable for E and T, or -1 when E is past the throughput table.
+inline int route_shape_index(int num_experts, std::int64_t num_tokens) {
+  if (num_tokens <= kLatencyTokens && num_experts > 32) {
+    for (int i = kLatencyBase; i < kNumShapes; ++i)
+      if (num_experts <= kShapeTable[i].max_experts) return i;
+  }
+  for (int i = 0; i < kLatencyBase; ++i)
     if (num_experts <= kShapeTable[i].max_experts) return i;
   return -1;
 }
@@ -181,24 +211,16 @@ Status dispatch_route_shape_impl(int index, F&& f, std::integer_sequence<int, I.
                               [&](auto c) { return f(ShapeAt<decltype(c)::value>{}); });
 }
 
-// Calls f(Shape{}) with the shape for E.
+// Calls f(Shape{}) with the shape for E and T.
 template <typename F>
-Status dispatch_route_shape(int num_experts, F&& f) {
-  const int index = route_shape_index(num_experts);
+Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f) {
+  const int index = route_shape_index(num_experts, num_tokens);
   if (index < 0) {
     return Status::Unsupported("route: E = " + std::to_string(num_experts) +
                                " exceeds the CUDA backend's maximum of " +
-                               std::to_string(kShapeTable[kNumShapes - 1].max_experts));
+                               std::to_string(kShapeTable[kLatencyBase - 1].max_experts));
   }
   return dispatch_route_shape_impl(index, std::forward<F>(f), std::make_integer_sequence<int, kNumShapes>{});
-}
-
-// Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)
-// or keys (4 bytes per expert slot), then n_group score keys and n_group selection flags.
-inline std::size_t route_smem_bytes_per_row(int group_path, int n_group, int w, int s) {
-  if (group_path == kGroupNone) return 0;
-  const std::size_t head = group_path == kGroupChunks ? std::size_t{8} * w * s : std::size_t{16} * w * s;
-  return (head + static_cast<std::size_t>(n_group) * 5 + 15) / 16 * 16;
 }
 
 // Flattens validated arguments. E past the shape table is left to dispatch_route_shape to
@@ -244,19 +266,24 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
       p.group_path = kGroupGeneric;
       p.group_magic = div_magic(static_cast<unsigned>(G));
     }
-    const int index = route_shape_index(c.num_experts);
-    if (index >= 0) {
-      p.smem_row_bytes = static_cast<int>(
-          route_smem_bytes_per_row(p.group_path, p.n_group, kShapeTable[index].w, kShapeTable[index].s));
-    }
   }
   return p;
+}
+
+// Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)
+// or keys (4 bytes per expert slot), then n_group score keys and n_group selection flags.
+template <class Shape>
+__host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
+  if (p.group_path == kGroupNone) return 0;
+  const std::size_t head = p.group_path == kGroupChunks ? std::size_t{8} * Shape::W * Shape::S
+                                                        : std::size_t{16} * Shape::W * Shape::S;
+  return (head + static_cast<std::size_t>(p.n_group) * 5 + 15) / 16 * 16;
 }
 
 // Dynamic shared memory each warp of a Shape kernel must own for these parameters.
 template <class Shape>
 __host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_warp(const RouteParams& p) {
-  return static_cast<std::size_t>(p.smem_row_bytes) * Shape::kRowsPerWarp;
+  return route_smem_bytes_per_row<Shape>(p) * Shape::kRowsPerWarp;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -659,8 +686,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   }
 
   // 4. Group limit.
-  unsigned char* srow =
-      warp_smem == nullptr ? nullptr : warp_smem + static_cast<std::size_t>(seg) * p.smem_row_bytes;
+  unsigned char* srow = warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape>(p);
   if (p.group_path == kGroupChunks) {
     group_limit_chunks<Shape>(p, key, srow, sl, smask);
   } else if (p.group_path == kGroupGeneric) {

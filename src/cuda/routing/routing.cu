@@ -31,10 +31,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) route_kernel(const RouteP
   const int warps = static_cast<int>(blockDim.x >> 5);
   const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * warps + warp) * Shape::kRowsPerWarp;
   if (first_row >= p.num_tokens) return;  // whole warp: no block-level barrier follows
-  unsigned char* warp_smem =
-      p.smem_row_bytes == 0
-          ? nullptr
-          : route_smem + static_cast<std::size_t>(warp) * routing::route_smem_bytes_per_warp<Shape>(p);
+  const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(p);
+  unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
   routing::route_warp<Shape>(p, first_row, warp_smem, nullptr);
 }
 
@@ -68,7 +66,7 @@ Status route(const detail::RouteArgs& args, Stream stream) {
                                " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
   }
   const RouteParams p = routing::make_route_params(args);
-  return routing::dispatch_route_shape(args.config.num_experts,
+  return routing::dispatch_route_shape(args.config.num_experts, args.num_tokens,
                                        [&](auto shape) { return launch_route<decltype(shape)>(p, stream); });
 }
 

@@ -10,6 +10,7 @@
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
+#include "cuda/layout/route_layout_kernel.cuh"
 
 namespace switchyard::cuda {
 
@@ -205,10 +206,70 @@ Status layout(const detail::LayoutArgs& args, Stream stream) {
   }
 }
 
+namespace {
+
+// Dynamic shared memory the fused kernel may take; larger needs (a group limit over many experts,
+// or a large L) run route() then layout().
+constexpr std::size_t kFusedMaxDynamicSmem = 160 * 1024;
+constexpr long long kFusedMaxCallsPerWarp = 2;
+
+template <class Shape>
+Status launch_fused_shape(layout_detail::FusedParams& fp, cudaStream_t stream, bool* launched) {
+  // Each warp routes its rows one call after another; past a couple of calls per warp the
+  // routing kernel (rows over many SMs) followed by the layout kernel is faster.
+  const long long row_groups = ceil_div(fp.layout.num_tokens, Shape::kRowsPerWarp);
+  if (row_groups > kFusedMaxCallsPerWarp * (layout_detail::kFusedThreads / 32)) return Status::Ok();
+  fp.route_smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(fp.route);
+  const std::size_t smem =
+      layout_detail::fused_smem(fp.route_smem_per_warp, fp.layout.num_picks, fp.layout.num_local).total();
+  if (smem > kFusedMaxDynamicSmem) return Status::Ok();
+  // Blocks share the writes as in the small layout (each one routes and sorts everything).
+  const long long rows = std::max<long long>(fp.layout.capacity_rows, fp.layout.num_picks);
+  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerSmallBlock), 1, kMaxSmallBlocks);
+  *launched = true;
+  return launch<layout_detail::route_layout_kernel<Shape>>(
+      "route_and_layout: route_layout_kernel", dim3(static_cast<unsigned>(blocks)),
+      dim3(layout_detail::kFusedThreads), smem, stream, fp);
+}
+
+// Launches the one-kernel route_and_layout when the shapes allow it; *launched says whether it
+// did (false: the caller runs the two-launch path).
+Status launch_route_and_layout(const detail::RouteArgs& ra, const detail::LayoutArgs& la, cudaStream_t stream,
+                               bool* launched) {
+  *launched = false;
+  if (ra.num_tokens > layout_detail::kFusedMaxTokens ||
+      la.num_tokens * la.top_k > layout_detail::kFusedMaxPicks || ra.config.top_k > kMaxGpuTopK ||
+      ra.num_tokens != la.num_tokens) {
+    return Status::Ok();
+  }
+  layout_detail::FusedParams fp;
+  fp.route = routing::make_route_params(ra);
+  fp.topk_ids = fp.route.topk_ids;
+  fp.topk_weights = fp.route.topk_weights;
+  fp.route.topk_ids = nullptr;  // the fused kernel writes the outputs itself
+  fp.route.topk_weights = nullptr;
+  fp.layout = make_params(la);
+  return routing::dispatch_route_shape(ra.config.num_experts, ra.num_tokens, [&](auto shape) -> Status {
+    using Shape = decltype(shape);
+    // E > 2048 holds 128 logits per lane: at 512 threads (<= 128 registers) that spills, so the
+    // routing kernel (256 threads) does it instead.
+    if constexpr (Shape::kValues > 64) {
+      return Status::Ok();
+    } else {
+      return launch_fused_shape<Shape>(fp, stream, launched);
+    }
+  });
+}
+
+}  // namespace
+
 Status route_and_layout(const detail::RouteArgs& route_args, const detail::LayoutArgs& layout_args,
                         Stream stream) {
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
-  // The routing kernel, then the layout kernels, chained by PDL.
+  bool launched = false;
+  const Status fused = launch_route_and_layout(route_args, layout_args, stream, &launched);
+  if (launched || !fused.ok()) return fused;
+  // Larger shapes: the routing kernel, then the layout kernels, chained by PDL.
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

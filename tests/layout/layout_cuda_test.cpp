@@ -753,8 +753,9 @@ void check_route_and_layout(const switchyard::ModelPreset& preset, const Case& c
   expect_same_layout(want, got);
 }
 
-// route_and_layout for the presets of the issue at T = 1 and 19 (one fused kernel), 256 and 8192
-// (routing kernel, then layout kernels), all experts local and a quarter of them (int64 ids).
+// route_and_layout for the presets of the issue at T = 1 and 19 (one fused kernel) and 64, 65, 256,
+// 8192 (routing kernel, then layout kernels: the fused kernel takes at most 2 rows per warp),
+// all experts local and a quarter of them (int64 ids).
 TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
@@ -786,7 +787,8 @@ TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
 }
 
 // Every preset (so every routing shape and group rule the fused kernel instantiates) through the
-// one-kernel path, with odd tile sizes, a strided local range and bf16 weights.
+// one-kernel path (T = 0, 1, 7; T = 64 is fused only for E <= 32), with odd tile sizes, a strided
+// local range and bf16 weights.
 TEST(LayoutCuda, RouteAndLayoutFusedAllPresets) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();

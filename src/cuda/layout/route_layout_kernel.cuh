@@ -4,9 +4,9 @@
 // (cuda/routing/route_warp.cuh: warps take rows, the picks come back in registers), keeps the ids
 // in shared memory, and then runs the small layout (layout_kernels.cuh: small_layout_block) on
 // them. As in the small layout kernel, the blocks repeat the cheap part (routing T <= 64 rows,
-// sorting <= 2048 picks) so that the expensive part - writing the outputs, mostly padding rows -
-// is split over many SMs without any inter-block synchronisation. Row group r's topk_ids and
-// topk_weights are written by block r % gridDim.x only.
+// at most 2 route_warp calls per warp; sorting <= 2048 picks) so that the expensive part - writing the
+// outputs, mostly padding rows - is split over many SMs without any inter-block synchronisation. Row group
+// r's topk_ids and topk_weights are written by block r % gridDim.x only.
 #pragma once
 
 #include <cuda_runtime.h>

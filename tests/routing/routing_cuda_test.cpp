@@ -346,6 +346,12 @@ void vary(Case& c, int i) {
   c.base_offset = (i % 11 == 4) ? 1 : (i % 11 == 7) ? 2 : 0;
 }
 
+// The kernel picks its shape table by T (route_warp.cuh: latency shapes up to 1024 tokens,
+// throughput shapes above); sweeps alternate so that both tables see every configuration kind.
+std::int64_t large_t(int i, std::int64_t small) {
+  return ((static_cast<unsigned>(i) * 2654435761u) >> 13) % 4 == 1 ? 1025 + (i % 13) : small;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 // Every preset, every logits dtype and input kind, the odd small token counts.
@@ -416,7 +422,7 @@ TEST(RoutingCuda, PrePostSweep) {
           c.config = make_config(E, K, static_cast<PreFn>(pre), static_cast<PostFn>(post),
                                  (i % 4 == 1) ? 2.5f : 1.0f);
           c.bias = (i % 2) == 1;
-          c.T = E >= 2048 ? 19 : (i % 3 == 0 ? 111 : 19);
+          c.T = large_t(i, E >= 2048 ? 19 : (i % 3 == 0 ? 111 : 19));
           c.logits_dtype = kLogitDtypes[i % 3];
           c.kind = kKinds[(i / 3) % 4];
           vary(c, i);
@@ -443,7 +449,7 @@ TEST(RoutingCuda, ExpertCountBoundaries) {
       Case c;
       c.config = make_config(E, K, static_cast<PreFn>(i % 4), static_cast<PostFn>((i / 4) % 4));
       c.bias = (i % 3) == 0;
-      c.T = 37;
+      c.T = large_t(i, 37);
       c.logits_dtype = kLogitDtypes[i % 3];
       c.kind = kKinds[i % 4];
       vary(c, i);
@@ -481,7 +487,7 @@ TEST(RoutingCuda, GroupLimits) {
       c.config.topk_group = g.topk_group;
       if (!switchyard::validate(c.config).ok()) continue;  // e.g. topk_sum with K / topk_group > G
       c.bias = (i % 2) == 0;
-      c.T = g.E >= 2048 ? 19 : 111;
+      c.T = large_t(i, g.E >= 2048 ? 19 : 111);
       c.logits_dtype = kLogitDtypes[i % 3];
       c.kind = kKinds[(i / 3) % 4];
       vary(c, i);
@@ -508,7 +514,7 @@ TEST(RoutingCuda, TieHeavy) {
         if (!switchyard::validate(c.config).ok()) c.config.group_rule = GroupRule::kNone;
       }
       c.bias = (i % 2) == 1;
-      c.T = 333;
+      c.T = large_t(i, 333);
       c.kind = Kind::kTied;
       c.logits_dtype = kLogitDtypes[i % 3];
       vary(c, i);

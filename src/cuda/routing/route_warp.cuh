@@ -42,16 +42,15 @@
 //   (larger q <=> larger key, -0 == +0); key 0 is below -inf and marks "not a candidate"
 //   (padding past E, experts of dropped groups). ranks_before(q, e) is then (key desc, e asc).
 //   Top-K. Each lane keeps its best D candidates, sorted, in registers. Each round the segment
-//   reduces the heads with two redux.sync (max key, then min expert among equal keys) - the
-//   membermask is the segment, so one instruction serves 32/W rows. The winning lane pops its
-//   head. A lane whose buffer runs dry keeps its last pick as a "ghost" head: an upper bound of
-//   what it still holds. Only if a ghost wins a round does the lane rescan its values for the
-//   next D after the ghost, and the round is redone. Rescans are thus rare (a lane must hold
-//   more than D of the K picks) and the buffers stay small. (Idea of per-thread candidate
-//   queues merged by warp reductions: FAISS WarpSelect, TensorRT-LLM's MoE top-k kernels;
-//   this code is our own.)
-//   Groups. With group size G % 4 == 0 and at most 2 scores summed per group (top2_sum, max,
-//   topk_sum with K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert
+//   reduces the heads twice (max key, then min expert among equal keys): redux.sync for a whole
+//   warp, xor-shuffle butterflies inside narrower segments (each shuffle serves 32/W rows; a
+//   per-segment redux.sync would be serialized). The winning lane pops its head. A lane whose buffer runs dry
+//   keeps its last pick as a "ghost" head: an upper bound of what it still holds. Only if a ghost wins a
+//   round does the lane rescan its values for the next D after the ghost, and the round is redone. Rescans
+//   are thus rare (a lane must hold more than D of the K picks) and the buffers stay small. (Idea of
+//   per-thread candidate queues merged by warp reductions: FAISS WarpSelect, TensorRT-LLM's MoE top-k
+//   kernels; this code is our own.) Groups. With group size G % 4 == 0 and at most 2 scores summed per group
+//   (top2_sum, max, topk_sum with K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert
 //   chunks in shared memory, lanes merge the chunks of one group each, and topk_group rounds
 //   of segment reductions pick the groups. Any other group configuration takes a generic
 //   path: the row's keys go to shared memory and each lane ranks its groups by scanning.
@@ -434,6 +433,31 @@ __device__ __forceinline__ void buffer_insert(std::uint32_t (&bk)[D], int (&bb)[
   bb[0] = gt[0] ? base : bb[0];
 }
 
+// Max / min over the W lanes of a segment. A whole warp uses redux.sync; segments use xor
+// butterflies: redux.sync writes a warp-uniform register, so with one membermask per segment
+// the compiler serializes it segment by segment (WARPSYNC.COLLECTIVE), which costs more than
+// log2(W) shuffles.
+template <int W>
+__device__ __forceinline__ std::uint32_t segment_max(std::uint32_t v) {
+  if constexpr (W == 32) {
+    return __reduce_max_sync(kFullMask, v);
+  } else {
+#pragma unroll
+    for (int off = W / 2; off >= 1; off /= 2) v = max(v, __shfl_xor_sync(kFullMask, v, off));
+    return v;
+  }
+}
+template <int W>
+__device__ __forceinline__ std::uint32_t segment_min(std::uint32_t v) {
+  if constexpr (W == 32) {
+    return __reduce_min_sync(kFullMask, v);
+  } else {
+#pragma unroll
+    for (int off = W / 2; off >= 1; off /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, off));
+    return v;
+  }
+}
+
 // Lane-relative expert offset of value j: e = base(j) + 4 * (lane % W).
 template <class Shape>
 __device__ __forceinline__ constexpr int value_base(int j) {
@@ -445,7 +469,7 @@ __device__ __forceinline__ constexpr int value_base(int j) {
 // `selected[g]` is 1 for the kept groups (each lane wrote its own groups' flags).
 template <class Shape>
 __device__ __forceinline__ void select_groups(const RouteParams& p, const std::uint32_t* score,
-                                              unsigned char* selected, int sl, unsigned smask) {
+                                              unsigned char* selected, int sl) {
   for (int g = sl; g < p.n_group; g += Shape::W) selected[g] = 0;
   for (int r = 0; r < p.topk_group; ++r) {
     std::uint32_t best = 0;
@@ -457,8 +481,8 @@ __device__ __forceinline__ void select_groups(const RouteParams& p, const std::u
         best_g = g;
       }
     }
-    const std::uint32_t mk = __reduce_max_sync(smask, best);
-    const unsigned wg = __reduce_min_sync(smask, best == mk ? static_cast<unsigned>(best_g) : 0xffffffffu);
+    const std::uint32_t mk = segment_max<Shape::W>(best);
+    const unsigned wg = segment_min<Shape::W>(best == mk ? static_cast<unsigned>(best_g) : 0xffffffffu);
     if (static_cast<int>(wg % Shape::W) == sl && wg < static_cast<unsigned>(p.n_group)) selected[wg] = 1;
   }
 }
@@ -468,7 +492,7 @@ __device__ __forceinline__ void select_groups(const RouteParams& p, const std::u
 // rank order like the oracle (a + b == b + a, so only the two values matter).
 template <class Shape>
 __device__ __forceinline__ void group_limit_chunks(const RouteParams& p, std::uint32_t (&key)[Shape::kValues],
-                                                   unsigned char* srow, int sl, unsigned smask) {
+                                                   unsigned char* srow, int sl) {
   constexpr int W = Shape::W, S = Shape::S;
   uint2* chunk_top = reinterpret_cast<uint2*>(srow);
   std::uint32_t* score = reinterpret_cast<std::uint32_t*>(srow + 8 * W * S);
@@ -495,7 +519,7 @@ __device__ __forceinline__ void group_limit_chunks(const RouteParams& p, std::ui
     score[g] = canonical_key(s);
   }
   __syncwarp();
-  select_groups<Shape>(p, score, selected, sl, smask);
+  select_groups<Shape>(p, score, selected, sl);
   __syncwarp();
 #pragma unroll
   for (int i = 0; i < S; ++i) {
@@ -511,7 +535,7 @@ __device__ __forceinline__ void group_limit_chunks(const RouteParams& p, std::ui
 template <class Shape>
 __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
                                                     std::uint32_t (&key)[Shape::kValues], unsigned char* srow,
-                                                    int sl, unsigned smask) {
+                                                    int sl) {
   constexpr int W = Shape::W, S = Shape::S;
   std::uint32_t* keys = reinterpret_cast<std::uint32_t*>(srow);
   std::uint32_t* score = keys + Shape::kMaxExperts;
@@ -548,7 +572,7 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
     score[g] = canonical_key(sum);
   }
   __syncwarp();
-  select_groups<Shape>(p, score, selected, sl, smask);
+  select_groups<Shape>(p, score, selected, sl);
   __syncwarp();
 #pragma unroll
   for (int j = 0; j < Shape::kValues; ++j) {
@@ -574,7 +598,6 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   const int seg = lane / W;
   const int sl = lane % W;
   const int lane4 = 4 * sl;
-  const unsigned smask = W == 32 ? kFullMask : (((1u << W) - 1u) << (seg * W));
   const std::int64_t row = first_row + seg;
   const bool row_ok = row < p.num_tokens;
   const int E = p.num_experts;
@@ -599,7 +622,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     float mx = neg_inf();
 #pragma unroll
     for (int j = 0; j < V; ++j) mx = finite(v[j]) ? fmaxf(mx, v[j]) : mx;
-    sm.m = key_score(__reduce_max_sync(smask, score_key(mx)));
+    sm.m = key_score(segment_max<W>(score_key(mx)));
     float acc[NA];
 #pragma unroll
     for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
@@ -688,9 +711,9 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   // 4. Group limit.
   unsigned char* srow = warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape>(p);
   if (p.group_path == kGroupChunks) {
-    group_limit_chunks<Shape>(p, key, srow, sl, smask);
+    group_limit_chunks<Shape>(p, key, srow, sl);
   } else if (p.group_path == kGroupGeneric) {
-    group_limit_generic<Shape>(p, key, srow, sl, smask);
+    group_limit_generic<Shape>(p, key, srow, sl);
   }
 
   // 5. Top-K.
@@ -714,9 +737,9 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   for (int r = 0; r < K; ++r) {
     for (;;) {
       const std::uint32_t head = bk[0];
-      const std::uint32_t mk = __reduce_max_sync(smask, head);
+      const std::uint32_t mk = segment_max<W>(head);
       const unsigned my_e = static_cast<unsigned>(bb[0] + lane4);
-      const unsigned we = __reduce_min_sync(smask, head == mk ? my_e : 0xffffffffu);
+      const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
       const bool won = head == mk && my_e == we;
       const bool rescan = won && ghost;
       if (__any_sync(kFullMask, rescan)) {
@@ -781,7 +804,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
       float lm = neg_inf();
 #pragma unroll
       for (int s = 0; s < SL; ++s) lm = fin[s] ? fmaxf(lm, pv[s]) : lm;
-      m = key_score(__reduce_max_sync(smask, score_key(lm)));
+      m = key_score(segment_max<W>(score_key(lm)));
 #pragma unroll
       for (int s = 0; s < SL; ++s) term[s] = fin[s] ? exp_any(__fadd_rn(pv[s], -m)) : 0.0f;
     } else {

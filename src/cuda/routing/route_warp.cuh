@@ -19,7 +19,8 @@
 //       the warp) may be nullptr when that size is 0. When `picks` is non-null it receives,
 //       per lane, the picks it holds: lane L of the warp serves row first_row + L / W and
 //       holds picks k = s * W + L % W for s < Shape::kSlots and k < K (expert id and final
-//       weight); see RoutedPicks.
+//       weight); see RoutedPicks. Lanes of rows >= p.num_tokens hold dummy picks: check the
+//       row before using them.
 //   The caller must call pdl_wait() (cuda/common/launch.cuh) before route_warp when launched
 //   with programmatic dependent launch.
 //

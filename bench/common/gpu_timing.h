@@ -82,9 +82,13 @@ inline Timing time_in_graph(const std::function<bool(cudaStream_t, int)>& enqueu
   return t;
 }
 
+// Copy bandwidth (bytes read + written, bytes/s) of a vectorized copy kernel over 1 GiB
+// (bench/common/copy_bandwidth.cu).
+double measure_kernel_copy_bandwidth();
+
 // Device-to-device copy bandwidth in bytes/s (bytes read + written): 1 GiB copies, after
-// ~100 ms of the same copies so that the clocks have ramped up; the best median of three
-// graph timings (BENCHMARKING.md measured 4.14 TB/s on our H200 this way).
+// warming the clocks up; the best median of three graph timings, and the better of
+// cudaMemcpyAsync and a copy kernel (BENCHMARKING.md measured 4.14 TB/s on our H200).
 inline double measure_copy_bandwidth() {
   const size_t bytes = size_t(1) << 30;
   void *a = nullptr, *b = nullptr;
@@ -104,7 +108,9 @@ inline double measure_copy_bandwidth() {
   }
   cudaFree(a);
   cudaFree(b);
-  return best_us > 0 ? 2.0 * bytes / (best_us * 1e-6) : 0;
+  const double memcpy_bw = best_us > 0 ? 2.0 * bytes / (best_us * 1e-6) : 0;
+  const double kernel_bw = measure_kernel_copy_bandwidth();
+  return memcpy_bw > kernel_bw ? memcpy_bw : kernel_bw;
 }
 
 inline std::string device_name() {

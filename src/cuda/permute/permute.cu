@@ -23,10 +23,6 @@ using permute::kBlockThreads;
 using permute::kWarpSize;
 using permute::kWarpsPerBlock;
 
-Status cuda_failure(const char* op, const char* what, cudaError_t err) {
-  return Status::CudaError(std::string(op) + ": " + what + ": " + cudaGetErrorString(err));
-}
-
 // Resident blocks per SM of a kernel, queried once per kernel (the build targets one
 // architecture, so the answer does not depend on the device).
 int resident_blocks_per_sm(const void* kernel) {
@@ -51,37 +47,24 @@ Status max_resident_blocks(const char* op, const void* kernel, std::int64_t* blo
   int sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return cuda_failure(op, "cannot query the device", err);
+  if (err != cudaSuccess) return cuda_status((std::string(op) + ": device query").c_str(), err);
   *blocks = static_cast<std::int64_t>(sms) * resident_blocks_per_sm(kernel);
   return Status::Ok();
 }
 
 // Launches `kernel(params)` with blocks of kBlockThreads threads: one block per
 // kWarpsPerBlock work items up to `max_blocks` (the kernels walk their items with a grid
-// stride), with programmatic stream serialization so that the kernel's prologue overlaps the
-// previous kernel's tail (the kernels call cudaGridDependencySynchronize before their first
-// read of inputs).
+// stride), with programmatic dependent launch (cuda/common/launch.cuh: the kernels wait for
+// their predecessor before their first global access and let their successor launch early).
 template <typename Params>
 Status launch(const char* op, void (*kernel)(Params), std::int64_t max_blocks, std::int64_t work_items,
               const Params& params, Stream stream) {
   const std::int64_t wanted = (work_items + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const unsigned grid = static_cast<unsigned>(std::max<std::int64_t>(1, std::min(wanted, max_blocks)));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kBlockThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, params);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // the status carries it; do not leave it for an unrelated later check
-    return cuda_failure(op, "kernel launch failed", err);
-  }
-  return Status::Ok();
+  const Status status =
+      launch_kernel(op, kernel, dim3(grid), dim3(kBlockThreads), 0, stream, /*pdl=*/true, params);
+  if (!status.ok()) cudaGetLastError();  // the status carries it; do not leave it for a later check
+  return status;
 }
 
 // Splits a row of `row_vecs` vectors into work items of at most `max_steps` steps of `step`

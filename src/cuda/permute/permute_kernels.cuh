@@ -10,6 +10,11 @@
 // Work items are (row, column chunk) pairs handled by one warp; a chunk holds at most 8
 // vectors per lane. Splitting a row into chunks keeps small-T calls (a handful of rows)
 // spread across many SMs, which is what makes them latency- rather than bandwidth-bound.
+//
+// Every kernel calls pdl_wait() before its first global access and pdl_launch_dependents()
+// right after it (cuda/common/launch.cuh): a grid is at most one wave of resident blocks, so a
+// successor scheduled early only takes SM slots our blocks leave free, and it still waits for
+// all of our writes in its own pdl_wait().
 #pragma once
 
 #include <cuda_bf16.h>
@@ -19,6 +24,7 @@
 #include <cstdint>
 
 #include "common/numeric.h"
+#include "cuda/common/launch.cuh"
 
 namespace switchyard::cuda::permute {
 
@@ -221,7 +227,8 @@ __global__ void __launch_bounds__(kBlockThreads) gather_rows_kernel(const Gather
   const std::int64_t warps = num_warps();
   const std::int64_t chunks = p.chunks_per_row;
   std::int64_t item = global_warp() + lane * warps;  // this lane's item in the current batch
-  cudaGridDependencySynchronize();                   // the layout and x come from earlier kernels
+  pdl_wait();                                        // the layout and x come from earlier kernels
+  pdl_launch_dependents();
   const std::int64_t rows = clamp_rows(__ldg(p.totals), p.capacity_rows);
   for (;; item += kWarpSize * warps) {
     const std::int64_t my_row = item / chunks;
@@ -249,7 +256,6 @@ __global__ void __launch_bounds__(kBlockThreads) gather_rows_kernel(const Gather
     }
     if (active != 0xffffffffu) break;  // items increase with the lane: the rest is past the end
   }
-  cudaTriggerProgrammaticLaunchCompletion();
 }
 
 // Token-major gather: the same result as gather_rows_kernel for any input, but each token row
@@ -269,7 +275,8 @@ __global__ void __launch_bounds__(kBlockThreads) gather_tokens_kernel(const Gath
   const std::int64_t warp = global_warp();
   const std::int64_t warps = num_warps();
   const int K = p.top_k;
-  cudaGridDependencySynchronize();
+  pdl_wait();
+  pdl_launch_dependents();
   const std::int64_t rows = clamp_rows(__ldg(p.totals), p.capacity_rows);
 
   // Phase 1. Lane j checks pick k0 + j of the item's token; the first batch of picks of the
@@ -340,7 +347,6 @@ __global__ void __launch_bounds__(kBlockThreads) gather_tokens_kernel(const Gath
       copy_scales(p, src_token, dst_row, lane);
     }
   }
-  cudaTriggerProgrammaticLaunchCompletion();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -451,7 +457,8 @@ __global__ void __launch_bounds__(kBlockThreads, kCombineMinBlocksPerSm)
   const int lane = threadIdx.x % kWarpSize;
   Out* out = static_cast<Out*>(p.out);
   const std::int64_t H = p.row_vecs * kV;
-  cudaGridDependencySynchronize();
+  pdl_wait();
+  pdl_launch_dependents();
   for (ItemWalker it(global_warp(), num_warps(), p.chunks_per_row); it.row < p.num_tokens; it.advance()) {
     const std::int64_t t = it.row;
     const std::int64_t first = it.chunk * p.chunk_vecs;
@@ -501,7 +508,6 @@ __global__ void __launch_bounds__(kBlockThreads, kCombineMinBlocksPerSm)
       }
     }
   }
-  cudaTriggerProgrammaticLaunchCompletion();
 }
 
 }  // namespace switchyard::cuda::permute

@@ -154,18 +154,9 @@ Status launch_gather(const detail::GatherArgs& a, const std::int32_t* expanded_t
 Status gather_any(const detail::GatherArgs& a, const std::int32_t* expanded_to_permuted, int top_k,
                   Stream stream) {
   if (dtype_size(a.dtype) == 0) return Status::Internal("gather: CUDA backend reached with an invalid dtype");
-  switch (gather_vector_bytes(a)) {
-    case 16:
-      return launch_gather<16>(a, expanded_to_permuted, top_k, stream);
-    case 8:
-      return launch_gather<8>(a, expanded_to_permuted, top_k, stream);
-    case 4:
-      return launch_gather<4>(a, expanded_to_permuted, top_k, stream);
-    case 2:
-      return launch_gather<2>(a, expanded_to_permuted, top_k, stream);
-    default:
-      return launch_gather<1>(a, expanded_to_permuted, top_k, stream);
-  }
+  return dispatch_value<16, 8, 4, 2, 1>("gather: vector bytes", gather_vector_bytes(a), [&](auto vec_bytes) {
+    return launch_gather<decltype(vec_bytes)::value>(a, expanded_to_permuted, top_k, stream);
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -206,15 +197,12 @@ Status combine_formats(const detail::CombineArgs& a, Stream stream) {
   const std::int64_t y_elem = static_cast<std::int64_t>(sizeof(typename YF::Storage));
   const bool vector = a.hidden % kVec == 0 && aligned(a.y_perm, 16) && (a.y_row_stride * y_elem) % 16 == 0 &&
                       aligned(a.out, std::min(16, kOutVecBytes));
-  const int kb = a.top_k <= 2 ? 2 : (a.top_k <= 4 ? 4 : 8);
-  if (vector) {
-    if (kb == 2) return launch_combine<YF, OF, kVec, 2>(a, stream);
-    if (kb == 4) return launch_combine<YF, OF, kVec, 4>(a, stream);
-    return launch_combine<YF, OF, kVec, 8>(a, stream);
-  }
-  if (kb == 2) return launch_combine<YF, OF, 1, 2>(a, stream);
-  if (kb == 4) return launch_combine<YF, OF, 1, 4>(a, stream);
-  return launch_combine<YF, OF, 1, 8>(a, stream);
+  // Picks loaded per batch: the smallest of 2, 4, 8 that holds K (K > 8 walks several batches).
+  const int batch = a.top_k <= 2 ? 2 : (a.top_k <= 4 ? 4 : 8);
+  return dispatch_value<2, 4, 8>("combine: picks per batch", batch, [&](auto kb) {
+    constexpr int kKB = decltype(kb)::value;
+    return vector ? launch_combine<YF, OF, kVec, kKB>(a, stream) : launch_combine<YF, OF, 1, kKB>(a, stream);
+  });
 }
 
 // Calls fn(Format{}) for a bf16 / fp16 / fp32 dtype; false for any other.

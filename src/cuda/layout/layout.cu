@@ -10,6 +10,7 @@
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
+#include "cuda/layout/lean_layout_kernel.cuh"
 #include "cuda/layout/route_layout_kernel.cuh"
 
 namespace switchyard::cuda {
@@ -18,7 +19,9 @@ namespace {
 
 using layout_detail::LayoutParams;
 
-// Path selection, by the number of picks N = T*K.
+// Path selection, by the number of picks N = T*K: the lean kernel (lean_layout_kernel.cuh) when
+// N <= kLeanMaxPicks and its shared histogram fits (L <= 2275); else the sorting kernel up to
+// kSmallMaxPicks, then the chunked pipeline.
 constexpr long long kSmallMaxPicks = 4096;     // one kernel, every block sorts all picks
 constexpr long long kMediumMaxPicks = 131072;  // three kernels, chunks of kMediumChunk picks
 constexpr int kMediumThreads = 256;
@@ -32,6 +35,13 @@ constexpr int kLargeChunk = kLargeThreads * kLargeItems;  // 4096
 // blocks (each one repeats the sort of all N <= 4096 picks, so more blocks cost L2 reads only).
 constexpr long long kRowsPerSmallBlock = 2048;
 constexpr long long kMaxSmallBlocks = 128;
+
+// Lean path (lean_layout_kernel.cuh): N <= kLeanMaxPicks picks and L small enough for its shared
+// histogram. Blocks split the writes, about kRowsPerLeanBlock output rows each; each one repeats
+// the (short, parallel) counting of all picks.
+constexpr long long kLeanMaxPicks = layout_detail::kLeanThreads * 32;  // 16384
+constexpr long long kRowsPerLeanBlock = 4096;
+constexpr long long kMaxLeanBlocks = 132;
 
 constexpr std::size_t kWorkspaceAlign = 256;
 
@@ -143,6 +153,32 @@ Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
       layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
+bool lean_fits(const LayoutParams& p) {
+  return p.num_picks <= kLeanMaxPicks &&
+         layout_detail::lean_smem_bytes(p.num_local) <= layout_detail::kLeanMaxSmem;
+}
+
+long long lean_blocks(const LayoutParams& p) {
+  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
+  return std::clamp<long long>(ceil_div(rows, kRowsPerLeanBlock), 1, kMaxLeanBlocks);
+}
+
+template <int ITEMS, typename Id>
+Status launch_lean_config(const LayoutParams& p, cudaStream_t stream) {
+  return launch<layout_detail::lean_layout_kernel<ITEMS, Id>>(
+      "layout: lean_layout_kernel", dim3(static_cast<unsigned>(lean_blocks(p))),
+      dim3(layout_detail::kLeanThreads), layout_detail::lean_smem_bytes(p.num_local), stream, p);
+}
+
+template <typename Id>
+Status launch_lean(const LayoutParams& p, cudaStream_t stream) {
+  constexpr int kThreads = layout_detail::kLeanThreads;
+  if (p.num_picks <= kThreads * 1) return launch_lean_config<1, Id>(p, stream);
+  if (p.num_picks <= kThreads * 4) return launch_lean_config<4, Id>(p, stream);
+  if (p.num_picks <= kThreads * 16) return launch_lean_config<16, Id>(p, stream);
+  return launch_lean_config<32, Id>(p, stream);
+}
+
 template <typename Id>
 Status launch_small(const LayoutParams& p, cudaStream_t stream) {
   if (p.num_picks <= 128) return launch_small_config<128, 1, Id>(p, stream);
@@ -175,6 +211,7 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
 template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   const LayoutParams p = make_params(a);
+  if (lean_fits(p)) return launch_lean<Id>(p, stream);
   if (p.num_picks <= kSmallMaxPicks) return launch_small<Id>(p, stream);
   if (p.num_picks <= kMediumMaxPicks) return launch_chunked<kMediumThreads, kMediumItems, Id>(p, a, stream);
   return launch_chunked<kLargeThreads, kLargeItems, Id>(p, a, stream);
@@ -223,9 +260,8 @@ Status launch_fused_shape(layout_detail::FusedParams& fp, cudaStream_t stream, b
   const std::size_t smem =
       layout_detail::fused_smem(fp.route_smem_per_warp, fp.layout.num_picks, fp.layout.num_local).total();
   if (smem > kFusedMaxDynamicSmem) return Status::Ok();
-  // Blocks share the writes as in the small layout (each one routes and sorts everything).
-  const long long rows = std::max<long long>(fp.layout.capacity_rows, fp.layout.num_picks);
-  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerSmallBlock), 1, kMaxSmallBlocks);
+  // Blocks share the writes as in the lean layout (each one routes and counts everything).
+  const long long blocks = lean_blocks(fp.layout);
   *launched = true;
   return launch<layout_detail::route_layout_kernel<Shape>>(
       "route_and_layout: route_layout_kernel", dim3(static_cast<unsigned>(blocks)),

@@ -2,7 +2,9 @@
 // picks x = t*K + k by local expert, deterministic bit for bit (no atomic whose order reaches the
 // output: shared-memory atomics only build histograms, whose values do not depend on order).
 //
-// Two shapes of the same computation:
+// Shapes of the same computation (the lean one-kernel path for small and mid N with L <= 2275 is
+// in lean_layout_kernel.cuh; this file has the sorting one-kernel path for larger L and the
+// chunked pipeline):
 //
 //  * small (T*K <= kSmallMaxPicks): ONE kernel. Every block reads all picks, builds the
 //    histogram, scans it and sorts the picks by (local expert, x) with cub::BlockRadixSort
@@ -20,6 +22,10 @@
 //         sorts its chunk stably, and writes row = offsets[l] + hist[b][l] + rank in chunk;
 //         then its slice of padding rows and tiles.
 //    The kernel boundaries are the grid-wide barriers; the workspace needs no initialisation.
+//
+// Rows and tiles that are not real rows are written without any search (fill_padding_and_tiles):
+// per expert its < M padding rows and its tiles, then the tail past padded_total, split over the
+// blocks by experts and by tail range.
 //
 // Every kernel follows the PDL contract of cuda/common/launch.cuh: nothing touches global memory
 // before pdl_wait(), so each may be launched early behind any predecessor in the stream.
@@ -118,23 +124,6 @@ struct GlobalIdKeys {
   }
 };
 
-// The largest i in [0, L] with offs[i] <= row (offs[0] = 0 <= row): the expert whose padded
-// segment holds `row`, or L when row >= padded_total. Empty experts share their offset with the
-// next one and are skipped because the search returns the last equal entry.
-__device__ __forceinline__ int segment_of_row(const int* offs, int L, int row) {
-  int lo = 0;
-  int hi = L + 1;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (offs[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
 // Block-wide exclusive scan of n values, each thread owning a contiguous run of them (n is a
 // runtime value, up to kMaxLocalExperts). `load(i)` gives value i (it is called twice per i);
 // `store(i, exclusive_prefix)` is called once per i, after the last load(i). Returns the total.
@@ -165,6 +154,63 @@ __device__ __forceinline__ unsigned long long pack_pair(std::uint32_t high, std:
 __device__ __forceinline__ int high_half(unsigned long long v) { return static_cast<int>(v >> 32); }
 __device__ __forceinline__ int low_half(unsigned long long v) { return static_cast<int>(v & 0xffffffffull); }
 
+// [begin, end) of part `part` of `n` items split into `parts` near-equal contiguous parts.
+__device__ __forceinline__ void part_range(int n, int part, int parts, int& begin, int& end) {
+  const long long per = (static_cast<long long>(n) + parts - 1) / parts;
+  begin = static_cast<int>(min(static_cast<long long>(n), per * part));
+  end = static_cast<int>(min(static_cast<long long>(n), per * (part + 1)));
+}
+
+// Part `part` of `parts` of every row and tile that is not a real row, without any search:
+//   * experts [l0, l1) of the part, a warp each: padding rows [ends[l], offs[l+1]) (< M of them)
+//     and the tiles [offs[l] / M, offs[l+1] / M) of the expert;
+//   * rows [padded_total, capacity_rows) and tiles [num_tiles, capacity_tiles), split evenly.
+// With every part in [0, parts) run, each such row and tile is written exactly once; the real
+// rows are written by the caller. offs[L] = padded_total; ends[l] = offs[l] + counts[l].
+template <int THREADS>
+__device__ __forceinline__ void fill_padding_and_tiles(const LayoutParams& p, const int* offs,
+                                                       const int* ends, int part, int parts) {
+  constexpr int kWarps = THREADS / 32;
+  const int L = p.num_local;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int pad_expanded = p.num_picks;
+  const int pad_token = p.num_tokens;
+  const int M = p.tile_size;
+  int l0, l1;
+  part_range(L, part, parts, l0, l1);
+  for (int l = l0 + warp; l < l1; l += kWarps) {
+    const int begin = offs[l];
+    const int end = ends[l];
+    const int next = offs[l + 1];
+    for (int r = end + lane; r < next; r += 32) {
+      p.permuted_to_expanded[r] = pad_expanded;
+      p.permuted_to_token[r] = pad_token;
+    }
+    const int t_end = next / M;
+    for (int t = begin / M + lane; t < t_end; t += 32) {
+      p.tile_expert[t] = l;
+      p.tile_row_end[t] =
+          static_cast<int>(min(static_cast<long long>(t + 1) * M, static_cast<long long>(end)));
+    }
+  }
+  const int padded_total = offs[L];
+  const int num_tiles = padded_total / M;
+  int r_begin, r_end;
+  part_range(p.capacity_rows - padded_total, part, parts, r_begin, r_end);
+  for (int r = padded_total + r_begin + tid; r < padded_total + r_end; r += THREADS) {
+    p.permuted_to_expanded[r] = pad_expanded;
+    p.permuted_to_token[r] = pad_token;
+  }
+  int t_begin, t_end;
+  part_range(p.capacity_tiles - num_tiles, part, parts, t_begin, t_end);
+  for (int t = num_tiles + t_begin + tid; t < num_tiles + t_end; t += THREADS) {
+    p.tile_expert[t] = -1;
+    p.tile_row_end[t] = static_cast<int>(static_cast<long long>(t) * M);
+  }
+}
+
 // Shared arrays of L entries every scatter block keeps (dynamic shared memory):
 //   delta[l] = row of the first pick of expert l in this block's sorted order, minus that pick's
 //              sorted position (so row = sorted position + delta[key]);
@@ -179,43 +225,6 @@ struct ExpertArrays {
   }
 };
 inline constexpr std::size_t expert_arrays_bytes(int L) { return (3 * static_cast<std::size_t>(L) + 1) * 4; }
-
-// Sentinels for rows [row_begin, row_end) that are not real rows, and every tile of
-// [tile_begin, tile_end). Real rows are written by the scatter, so each row is written once.
-template <int THREADS>
-__device__ __forceinline__ void fill_rows_and_tiles(const LayoutParams& p, const ExpertArrays& ex,
-                                                    int row_begin, int row_end, int tile_begin,
-                                                    int tile_end) {
-  const int L = p.num_local;
-  const int pad_expanded = p.num_picks;
-  const int pad_token = p.num_tokens;
-  for (int r = row_begin + static_cast<int>(threadIdx.x); r < row_end; r += THREADS) {
-    const int l = segment_of_row(ex.offs, L, r);
-    if (l == L || r >= ex.ends[l]) {
-      p.permuted_to_expanded[r] = pad_expanded;
-      p.permuted_to_token[r] = pad_token;
-    }
-  }
-  const long long M = p.tile_size;
-  for (int i = tile_begin + static_cast<int>(threadIdx.x); i < tile_end; i += THREADS) {
-    const long long start = static_cast<long long>(i) * M;  // < capacity_rows < 2^31
-    const int l = segment_of_row(ex.offs, L, static_cast<int>(start));
-    if (l == L) {
-      p.tile_expert[i] = -1;
-      p.tile_row_end[i] = static_cast<int>(start);
-    } else {
-      p.tile_expert[i] = l;
-      p.tile_row_end[i] = static_cast<int>(min(start + M, static_cast<long long>(ex.ends[l])));
-    }
-  }
-}
-
-// [begin, end) of part `part` of `n` items split into `parts` near-equal contiguous parts.
-__device__ __forceinline__ void part_range(int n, int part, int parts, int& begin, int& end) {
-  const long long per = (static_cast<long long>(n) + parts - 1) / parts;
-  begin = static_cast<int>(min(static_cast<long long>(n), per * part));
-  end = static_cast<int>(min(static_cast<long long>(n), per * (part + 1)));
-}
 
 // Radix digit width of the block sorts: 2 passes for L < 1024 (keys up to 10 bits). CUB's rank
 // counters take (2^bits / 2 + 1) * THREADS * 4 bytes of shared memory, 35 KB at 512 threads.
@@ -374,10 +383,7 @@ __device__ __forceinline__ void small_layout_block(const LayoutParams& p, KeyOf 
   __syncthreads();
   write_expanded_to_permuted<THREADS, ITEMS>(p, 0, s_begin, s_end, tmp);  // x slice = same split of N
 
-  int r_begin, r_end, t_begin, t_end;
-  part_range(p.capacity_rows, block, blocks, r_begin, r_end);
-  part_range(p.capacity_tiles, block, blocks, t_begin, t_end);
-  fill_rows_and_tiles<THREADS>(p, ex, r_begin, r_end, t_begin, t_end);
+  fill_padding_and_tiles<THREADS>(p, ex.offs, ex.ends, block, blocks);
 }
 
 template <int THREADS, int ITEMS, typename Id>
@@ -545,10 +551,7 @@ __global__ void __launch_bounds__(THREADS, 2) chunk_scatter_kernel(const LayoutP
   __syncthreads();
   write_expanded_to_permuted<THREADS, ITEMS>(p, x0, 0, Types::kPicks, tmp);
 
-  int r_begin, r_end, t_begin, t_end;
-  part_range(p.capacity_rows, b, B, r_begin, r_end);
-  part_range(p.capacity_tiles, b, B, t_begin, t_end);
-  fill_rows_and_tiles<THREADS>(p, ex, r_begin, r_end, t_begin, t_end);
+  fill_padding_and_tiles<THREADS>(p, ex.offs, ex.ends, b, B);
 }
 
 }  // namespace switchyard::cuda::layout_detail

@@ -2,11 +2,11 @@
 //
 // Every block routes all T rows with the routing backend's per-row warp routine
 // (cuda/routing/route_warp.cuh: warps take rows, the picks come back in registers), keeps the ids
-// in shared memory, and then runs the small layout (layout_kernels.cuh: small_layout_block) on
-// them. As in the small layout kernel, the blocks repeat the cheap part (routing T <= 64 rows,
-// at most 2 route_warp calls per warp; sorting <= 2048 picks) so that the expensive part - writing the
-// outputs, mostly padding rows - is split over many SMs without any inter-block synchronisation. Row group
-// r's topk_ids and topk_weights are written by block r % gridDim.x only.
+// in shared memory, and then runs the lean layout (lean_layout_kernel.cuh: lean_layout_block) on
+// them. As in the lean layout kernel, the blocks repeat the cheap part (routing T <= 64 rows,
+// at most 2 route_warp calls per warp; counting <= 2048 picks) so that the expensive part - writing
+// the outputs, mostly padding rows - is split over many SMs without any inter-block
+// synchronisation. Row group r's topk_ids and topk_weights are written by block r % gridDim.x only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +17,7 @@
 #include "common/numeric.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
+#include "cuda/layout/lean_layout_kernel.cuh"
 #include "cuda/routing/route_warp.cuh"
 
 namespace switchyard::cuda::layout_detail {
@@ -24,8 +25,8 @@ namespace switchyard::cuda::layout_detail {
 // Largest shapes the fused kernel takes; larger ones run route() then layout().
 constexpr int kFusedMaxTokens = 64;
 constexpr int kFusedMaxPicks = 2048;
-constexpr int kFusedThreads = 512;  // 16 warps route rows in parallel
-constexpr int kFusedItems = 4;      // 512 * 4 = kFusedMaxPicks picks sorted per block
+constexpr int kFusedThreads = kLeanThreads;  // 16 warps route rows in parallel
+constexpr int kFusedItems = 4;               // 512 * 4 = kFusedMaxPicks picks counted per block
 static_assert(kFusedThreads * kFusedItems >= kFusedMaxPicks, "fused kernel must hold every pick");
 
 struct FusedParams {
@@ -47,23 +48,13 @@ __host__ __device__ inline FusedSmem fused_smem(std::size_t route_smem_per_warp,
   FusedSmem s;
   s.route_bytes = route_smem_per_warp * (kFusedThreads / 32);
   s.ids_bytes = (static_cast<std::size_t>(num_picks) * 4 + 15) / 16 * 16;
-  s.expert_bytes = expert_arrays_bytes(num_local);
+  s.expert_bytes = lean_smem_bytes(num_local);
   return s;
 }
 
-// Keys from the routed ids in shared memory (always inside [0, E)).
-struct SharedIdKeys {
-  const int* ids;
-  __device__ __forceinline__ int operator()(int x, const LayoutParams& p, int& dropped) const {
-    return local_key(ids[x], p, dropped);
-  }
-};
-
 template <class Shape>
 __global__ void __launch_bounds__(kFusedThreads, 1) route_layout_kernel(const FusedParams fp) {
-  using Types = BlockSortTypes<kFusedThreads, kFusedItems>;
-  __shared__ typename Types::TempStorage tmp;
-  __shared__ int dropped_total;
+  __shared__ LeanShared sh;
   extern __shared__ __align__(16) unsigned char fused_smem_raw[];
   pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
   pdl_wait();
@@ -114,8 +105,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) route_layout_kernel(const Fu
   __syncthreads();  // every routed id is in shared memory
 
   // 2. Layout of the routed ids.
-  small_layout_block<kFusedThreads, kFusedItems>(fp.layout, SharedIdKeys{ids}, tmp, expert_arrays,
-                                                 dropped_total);
+  lean_layout_block<kFusedItems>(fp.layout, SharedIdSource{ids}, sh, expert_arrays);
 }
 
 }  // namespace switchyard::cuda::layout_detail

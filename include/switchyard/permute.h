@@ -17,7 +17,9 @@ constexpr int kScaleGroupSize = 128;
 //   x             [T,H] bf16, fp16, fp32 or fp8 e4m3; any row stride >= H.
 //   x_scales      optional fp32 scales moved with each row: [T] or [T,1] (per token) or
 //                 [T, ceil(H/128)] (per 128-column group); contiguous.
-//   layout        a Layout filled by layout(); uses permuted_to_token and totals.
+//   layout        a Layout filled by layout(); uses permuted_to_token and totals, and
+//                 expanded_to_permuted when present ([T,K]: the CUDA backend then reads each
+//                 token row once and writes all its copies; same output).
 //   x_perm        [R,H], dtype of x, contiguous, R >= layout.permuted_to_token rows.
 //   x_perm_scales [R] / [R,1] / [R,G] like x_scales; present iff x_scales is.
 Status gather(const TensorView& x, const TensorView& x_scales, const Layout& layout,

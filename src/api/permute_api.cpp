@@ -81,6 +81,12 @@ Status gather(const TensorView& x, const TensorView& x_scales, const Layout& lay
   args.x_scales = static_cast<const float*>(x_scales.data);
   args.scale_cols = cols;
   args.permuted_to_token = static_cast<const std::int32_t*>(layout.permuted_to_token.data);
+  if (!layout.expanded_to_permuted.absent()) {
+    SY_RETURN_IF_ERROR(check.tensor(layout.expanded_to_permuted, "layout.expanded_to_permuted", {DType::kInt32},
+                                    {T, kAnySize}, device));
+    args.expanded_to_permuted = static_cast<const std::int32_t*>(layout.expanded_to_permuted.data);
+    args.top_k = static_cast<int>(layout.expanded_to_permuted.shape[1]);
+  }
   args.totals = static_cast<const std::int32_t*>(layout.totals.data);
   args.capacity_rows = R;
   args.x_perm = x_perm.data;

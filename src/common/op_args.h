@@ -59,6 +59,10 @@ struct GatherArgs {
   const float* x_scales = nullptr;  // optional [T, scale_cols]
   std::int64_t scale_cols = 0;      // 0 when no scales, else 1 or ceil(H/128)
   const std::int32_t* permuted_to_token = nullptr;  // entries outside [0, T) are padding
+  // Optional [T, top_k]: lets a backend read each token row once and write it to all its rows
+  // (token-major); the bytes written are those of the row-order definition either way.
+  const std::int32_t* expanded_to_permuted = nullptr;
+  int top_k = 0;
   const std::int32_t* totals = nullptr;
   std::int64_t capacity_rows = 0;
   void* x_perm = nullptr;          // [R,H] contiguous

@@ -151,56 +151,31 @@ struct RoutedPicks {
   float weight[Shape::kSlots];
 };
 
-// Shapes. A shape entry serves E <= max_experts within its table. Two tables:
-//  * throughput (T > kLatencyTokens): narrow segments where a row is small, so that one
-//    redux.sync serves several rows and few slots are padding (E = 160: 8 lanes x 5 stripes);
-//  * latency (T <= kLatencyTokens, 32 < E <= 640): 32 lanes per row, so that a lone row's
-//    serial work per lane (its values' math, buffer inserts) is as short as possible.
+// Shapes. A shape entry serves E <= max_experts; the first entry that fits is used, for every T.
+// Up to E = 32 a row is small and narrow segments let one shuffle serve 32 / W rows; past that a
+// row gets the whole warp (W = 32): each lane then holds only E / 32 values (8 for E = 256), so
+// the kernels need 40-64 registers and run at high occupancy, the segment reductions are single
+// redux.sync instructions, and a lone row's serial work is short. (Narrower segments for
+// 64 <= E <= 576 at large T held 24-36 values per lane: ncu showed 105 registers, 25% occupancy
+// and a latency-bound kernel at E = 256, T = 65536.)
 struct ShapeEntry {
   int max_experts, w, s, d;
 };
 inline constexpr ShapeEntry kShapeTable[] = {
-    // throughput table, indices [0, kLatencyBase)
-    {4, 1, 1, 2},
-    {8, 2, 1, 2},
-    {16, 4, 1, 2},
-    {32, 8, 1, 2},
-    {64, 8, 2, 2},
-    {128, 8, 4, 3},
-    {160, 8, 5, 3},
-    {256, 8, 8, 3},
-    {384, 16, 6, 3},
-    {512, 16, 8, 3},
-    {576, 16, 9, 3},
-    {768, 32, 6, 3},
-    {896, 32, 7, 3},
-    {1024, 32, 8, 3},
-    {1536, 32, 12, 4},
-    {2048, 32, 16, 4},
-    {4096, 32, 32, 4},
-    // latency table, indices [kLatencyBase, kNumShapes); past its end the throughput table
-    // (32 lanes wide there) serves small T too
-    {64, 16, 1, 2},
-    {128, 32, 1, 2},
-    {256, 32, 2, 2},
-    {384, 32, 3, 2},
-    {512, 32, 4, 2},
-    {640, 32, 5, 3},
+    {4, 1, 1, 2},     {8, 2, 1, 2},      {16, 4, 1, 2},     {32, 8, 1, 2},
+    {64, 16, 1, 2},   {128, 32, 1, 2},   {256, 32, 2, 2},   {384, 32, 3, 2},
+    {512, 32, 4, 2},  {640, 32, 5, 3},   {768, 32, 6, 3},   {896, 32, 7, 3},
+    {1024, 32, 8, 3}, {1536, 32, 12, 4}, {2048, 32, 16, 4}, {4096, 32, 32, 4},
 };
 inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
-inline constexpr int kLatencyBase = 17;
-inline constexpr std::int64_t kLatencyTokens = 1024;
 
 template <int I>
 using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>;
 
-// Index in kShapeTable for E and T, or -1 when E is past the throughput table.
-inline int route_shape_index(int num_experts, std::int64_t num_tokens) {
-  if (num_tokens <= kLatencyTokens && num_experts > 32) {
-    for (int i = kLatencyBase; i < kNumShapes; ++i)
-      if (num_experts <= kShapeTable[i].max_experts) return i;
-  }
-  for (int i = 0; i < kLatencyBase; ++i)
+// Index in kShapeTable for E (T is accepted for the interface; every T uses the same shape),
+// or -1 when E is past the table.
+inline int route_shape_index(int num_experts, std::int64_t /*num_tokens*/) {
+  for (int i = 0; i < kNumShapes; ++i)
     if (num_experts <= kShapeTable[i].max_experts) return i;
   return -1;
 }
@@ -218,7 +193,7 @@ Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f) {
   if (index < 0) {
     return Status::Unsupported("route: E = " + std::to_string(num_experts) +
                                " exceeds the CUDA backend's maximum of " +
-                               std::to_string(kShapeTable[kLatencyBase - 1].max_experts));
+                               std::to_string(kShapeTable[kNumShapes - 1].max_experts));
   }
   return dispatch_route_shape_impl(index, std::forward<F>(f), std::make_integer_sequence<int, kNumShapes>{});
 }

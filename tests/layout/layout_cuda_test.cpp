@@ -471,9 +471,9 @@ TEST(LayoutCuda, SecondaryAxesCrossProduct) {
   }
 }
 
-// Pick counts at and around every path boundary (the lean one-kernel path up to 16384 picks in
-// steps of 512, 2048, 8192 picks per block; the sorting one-kernel path up to 4096 picks when L is
-// too large for the lean one; chunks of 1024 up to 131072, chunks of 4096 above), chunk
+// Pick counts at and around every path boundary (the lean one-kernel path up to 32768 picks in
+// steps of 512, 2048, 8192, 16384 picks per block; the sorting one-kernel path up to 4096 picks
+// when L is too large for the lean one; chunks of 512 up to 131072, chunks of 4096 above), chunk
 // boundaries, and L around the lean path's shared-memory limit.
 TEST(LayoutCuda, PathBoundaries) {
   SY_SKIP_WITHOUT_GPU();
@@ -481,17 +481,18 @@ TEST(LayoutCuda, PathBoundaries) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
   const std::pair<std::int64_t, int> shapes[] = {
-      {128, 1},   {129, 1},  {1024, 1},  {1025, 1},  {2048, 1},   {2049, 1},  {4096, 1},  {4097, 1},
-      {512, 8},   {513, 8},  {5120, 1},  {16384, 8}, {131073, 1}, {16385, 8}, {65535, 2}, {1, 32},
-      {128, 32},  {129, 32}, {4095, 32}, {512, 1},   {513, 1},    {8192, 1},  {8193, 1},  {16384, 1},
-      {16385, 1}, {1024, 8}, {1025, 8},  {2048, 8},  {2049, 8},   {33, 16}};
+      {128, 1},   {129, 1},  {1024, 1},  {1025, 1},  {2048, 1},  {2049, 1},   {4096, 1},
+      {4097, 1},  {512, 8},  {513, 8},   {5120, 1},  {16384, 8}, {131073, 1}, {16385, 8},
+      {65535, 2}, {1, 32},   {128, 32},  {129, 32},  {4095, 32}, {512, 1},    {513, 1},
+      {8192, 1},  {8193, 1}, {16384, 1}, {16385, 1}, {1024, 8},  {1025, 8},   {2048, 8},
+      {2049, 8},  {33, 16},  {4096, 8},  {4097, 8},  {32768, 1}, {32769, 1},  {33281, 1}};
   for (const auto& [T, K] : shapes) {
     check_case(random_case(T, 256, K, g), g());
     if (HasFatalFailure()) return;
   }
   // The lean path holds 18 * L + 1 int32 of shared memory, at most 160 KB: L <= 2275.
   for (const int E : {2275, 2276}) {
-    for (const std::int64_t T : {3, 600, 2048}) {
+    for (const std::int64_t T : {3, 600, 2048, 4000}) {
       Case c = random_case(T, E, 8, g);
       c.local = LocalKind::kAll;
       c.start = 0;

@@ -24,9 +24,11 @@ using layout_detail::LayoutParams;
 // kSmallMaxPicks, then the chunked pipeline.
 constexpr long long kSmallMaxPicks = 4096;     // one kernel, every block sorts all picks
 constexpr long long kMediumMaxPicks = 131072;  // three kernels, chunks of kMediumChunk picks
+// Chunks of 512 picks: N = 32768..131072 (where the lean path does not take it) gives 64..256
+// blocks, enough to fill the SMs; each block's sort is short.
 constexpr int kMediumThreads = 256;
-constexpr int kMediumItems = 4;
-constexpr int kMediumChunk = kMediumThreads * kMediumItems;  // 1024
+constexpr int kMediumItems = 2;
+constexpr int kMediumChunk = kMediumThreads * kMediumItems;  // 512
 constexpr int kLargeThreads = 512;
 constexpr int kLargeItems = 8;
 constexpr int kLargeChunk = kLargeThreads * kLargeItems;  // 4096
@@ -39,7 +41,7 @@ constexpr long long kMaxSmallBlocks = 128;
 // Lean path (lean_layout_kernel.cuh): N <= kLeanMaxPicks picks and L small enough for its shared
 // histogram. Blocks split the writes, about kRowsPerLeanBlock output rows each; each one repeats
 // the (short, parallel) counting of all picks.
-constexpr long long kLeanMaxPicks = layout_detail::kLeanThreads * 32;  // 16384
+constexpr long long kLeanMaxPicks = layout_detail::kLeanThreads * 64;  // 32768
 constexpr long long kRowsPerLeanBlock = 4096;
 constexpr long long kMaxLeanBlocks = 132;
 
@@ -176,7 +178,8 @@ Status launch_lean(const LayoutParams& p, cudaStream_t stream) {
   if (p.num_picks <= kThreads * 1) return launch_lean_config<1, Id>(p, stream);
   if (p.num_picks <= kThreads * 4) return launch_lean_config<4, Id>(p, stream);
   if (p.num_picks <= kThreads * 16) return launch_lean_config<16, Id>(p, stream);
-  return launch_lean_config<32, Id>(p, stream);
+  if (p.num_picks <= kThreads * 32) return launch_lean_config<32, Id>(p, stream);
+  return launch_lean_config<64, Id>(p, stream);
 }
 
 template <typename Id>

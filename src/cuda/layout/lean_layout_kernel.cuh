@@ -89,20 +89,25 @@ __device__ __forceinline__ void lean_layout_block(const LayoutParams& p, Source 
   const int per_warp = (groups + kLeanWarps - 1) / kLeanWarps;  // <= ITEMS
   const int group0 = warp * per_warp;
 
-  // Issue every id load first (independent loads in flight together).
-  long long raw[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int x = (group0 + i) * 32 + lane;
-    raw[i] = (i < per_warp && x < N) ? source(x) : -1;
-  }
   for (int i = tid; i < kLeanWarps / 4 * L; i += kLeanThreads)
     reinterpret_cast<int4*>(hist)[i] = int4{0, 0, 0, 0};
   if (tid == 0) sh.dropped = 0;
   int dropped = 0;
   int packed[ITEMS];  // key << 16 | position of the pick in its warp's run of its expert
+  // Id loads in batches of kBatch independent loads in flight together (all of them at once would
+  // take two registers per int64 id on top of `packed`).
+  constexpr int kBatch = ITEMS <= 32 ? ITEMS : 16;
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) packed[i] = local_key(raw[i], p, dropped) << 16;
+  for (int i0 = 0; i0 < ITEMS; i0 += kBatch) {
+    long long raw[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int x = (group0 + i0 + j) * 32 + lane;
+      raw[j] = (i0 + j < per_warp && x < N) ? source(x) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) packed[i0 + j] = local_key(raw[j], p, dropped) << 16;
+  }
   __syncthreads();  // hist zeroed
 
   // 1. Per-warp ranks.

@@ -168,8 +168,9 @@ class GpuTimer:
         for _ in range(2):
             once()
         probe = sorted(once() for _ in range(5))[2]
-        # At most about budget_s per measurement, at least 20 replays.
-        n = int(max(20, min(self.replays, self.budget_s * 1e6 / max(probe * per_replay_calls, 1e-3))))
+        # About budget_s per measurement: all `replays` for short graphs, at least 10 for long
+        # ones (a replay of a long graph already averages `calls` calls).
+        n = int(max(10, min(self.replays, self.budget_s * 1e6 / max(probe * per_replay_calls, 1e-3))))
         return [once() for _ in range(n)]
 
     def time(self, fn: Callable[[int], Any]) -> Dict[str, Any]:
@@ -806,7 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph")
     ap.add_argument("--replays", type=int, default=200, help="graph replays (GPU) / repeats (CPU), at most")
-    ap.add_argument("--budget", type=float, default=0.5, help="seconds per measurement, about (caps replays)")
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds per measurement, about (caps replays)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch-native baselines")
     ap.add_argument("--smoke", action="store_true", help="smallest setting: one preset, two token counts, few "
                                                           "repeats (CI)")

@@ -788,13 +788,22 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
       for (int s = 0; s < SL; ++s) term[s] = fin[s] ? pv[s] : 0.0f;
     }
     // Sum in k order. Adding +0 for a non-finite pick is exact: the sum is never -0.
+    // The terms are gathered 8 at a time with independent shuffles (their latencies overlap),
+    // then added in k order; the additions for k >= K are skipped.
     float sum = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int slot = k / W;
-      float mine = term[0];
+    for (int k0 = 0; k0 < K; k0 += 8) {
+      float t[8];
 #pragma unroll
-      for (int s = 1; s < SL; ++s) mine = slot == s ? term[s] : mine;
-      sum = __fadd_rn(sum, __shfl_sync(kFullMask, mine, k % W, W));
+      for (int j = 0; j < 8; ++j) {
+        const int k = k0 + j;
+        const int slot = k / W;
+        float mine = term[0];
+#pragma unroll
+        for (int s = 1; s < SL; ++s) mine = slot == s ? term[s] : mine;
+        t[j] = __shfl_sync(kFullMask, mine, k % W, W);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum = k0 + j < K ? __fadd_rn(sum, t[j]) : sum;
     }
     if (p.post == PostFn::kSoftmax) {
 #pragma unroll

@@ -969,6 +969,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "cuda": torch.version.cuda if on_gpu else None,
                      "driver": _driver_version() if on_gpu else None,
                      "python": platform.python_version()},
+        "torch_cpu_threads": torch.get_num_threads(),
         "timing_method": ctx.timer.method,
         "copy_bandwidth_bytes_per_s": ctx.copy_bw,
         "copy_bandwidth": bw,

@@ -595,20 +595,23 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   // branch per value) only runs in lanes that hold extreme or non-finite logits.
   SoftmaxRow sm{0.0f, 1.0f, 1.0f};
   if (p.pre == PreFn::kSoftmax) {
-    float mx = neg_inf();
+    float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
 #pragma unroll
-    for (int j = 0; j < V; ++j) mx = finite(v[j]) ? fmaxf(mx, v[j]) : mx;
+    for (int j = 0; j < V; ++j) {
+      const bool f = finite(v[j]);
+      mx = f ? fmaxf(mx, v[j]) : mx;
+      mn = f ? fminf(mn, v[j]) : mn;
+    }
     sm.m = key_score(segment_max<W>(score_key(mx)));
     float acc[NA];
 #pragma unroll
     for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
     // v becomes exp(v - m) for finite v and keeps non-finite v as is (exp results are finite,
     // so finite(v) still tells the two apart afterwards). exp(x) >= 2^-64 for x >= -44, which
-    // keeps the division below on its fast path too.
-    float lowest = 0.0f;
-#pragma unroll
-    for (int j = 0; j < V; ++j) lowest = finite(v[j]) ? fminf(lowest, __fadd_rn(v[j], -sm.m)) : lowest;
-    const bool fast = lowest >= -44.0f;
+    // keeps the division below on its fast path too. Rounding is monotone, so the smallest
+    // RN(v - m) of the lane is RN(mn - m); a lane without finite values has mn = +inf (and
+    // m <= mn whenever mn is finite), which passes.
+    const bool fast = __fadd_rn(mn, -sm.m) >= -44.0f;
     if (fast) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -639,10 +642,12 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     for (int off = W / 2; off >= 1; off /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, off));
     sm.sum = sum;
     sm.rcp = __frcp_rn(sum);
+    if (fast) {  // one branch per lane, not one per value
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);
-      v[j] = finite(v[j]) ? q : v[j];
+      for (int j = 0; j < V; ++j) v[j] = finite(v[j]) ? div_fast(v[j], sm.sum, sm.rcp) : v[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = finite(v[j]) ? div_by(v[j], sm.sum, sm.rcp) : v[j];
     }
   } else if (p.pre == PreFn::kSigmoid) {
     bool fast = true;  // a NaN logit fails the test

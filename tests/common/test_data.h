@@ -52,6 +52,7 @@ inline std::vector<std::int64_t> random_ids(std::int64_t T, int K, int E, Skew s
     for (int e = 0; e < E; ++e) w[e] = 1.0 / std::pow(static_cast<double>(e + 1), 1.2);
   std::vector<std::int64_t> ids(static_cast<std::size_t>(T) * K);
   std::vector<char> used(E);
+  std::discrete_distribution<int> draw(w.begin(), w.end());
   for (std::int64_t t = 0; t < T; ++t) {
     std::fill(used.begin(), used.end(), 0);
     for (int k = 0; k < K; ++k) {
@@ -59,8 +60,7 @@ inline std::vector<std::int64_t> random_ids(std::int64_t T, int K, int E, Skew s
       if (skew == Skew::kOneHot && k == 0) {
         e = hot;
       } else {
-        std::discrete_distribution<int> d(w.begin(), w.end());
-        do e = d(g); while (used[e]);
+        do e = draw(g); while (used[e]);
       }
       used[e] = 1;
       ids[t * K + k] = e;

@@ -434,7 +434,8 @@ __global__ void __launch_bounds__(THREADS) chunk_histogram_kernel(const LayoutPa
 // Large path, kernel 2: for 32 experts per block (a warp's width, so every row read is one
 // coalesced 128-byte line), the exclusive prefix of chunk_hist over chunks, in place, and
 // counts[l] = the column total. Block 0 also sums the dropped counts into totals[2].
-constexpr int kScanRowsY = 16;  // blockDim = (32, kScanRowsY)
+constexpr int kScanRowsY = 32;  // blockDim = (32, kScanRowsY)
+constexpr int kScanBatch = 8;   // column loads in flight per thread
 
 __global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const LayoutParams p) {
   __shared__ int part_sums[kScanRowsY][33];
@@ -452,10 +453,18 @@ __global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const Layou
   part_range(B, row_group, kScanRowsY, b_begin, b_end);
   std::int32_t* column = p.chunk_hist + l;
 
+  // Loads in batches of kScanBatch, all in flight together (the stores of the second pass would
+  // otherwise keep the compiler from hoisting the next load: it cannot prove L != 0).
   int sum = 0;
   if (l < L) {
-#pragma unroll 4
-    for (int b = b_begin; b < b_end; ++b) sum += column[static_cast<long long>(b) * L];
+    for (int b = b_begin; b < b_end; b += kScanBatch) {
+      int v[kScanBatch];
+#pragma unroll
+      for (int j = 0; j < kScanBatch; ++j)
+        v[j] = b + j < b_end ? column[static_cast<long long>(b + j) * L] : 0;
+#pragma unroll
+      for (int j = 0; j < kScanBatch; ++j) sum += v[j];
+    }
   }
   part_sums[row_group][lane] = sum;
   if (blockIdx.x == 0) {
@@ -478,11 +487,18 @@ __global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const Layou
   __syncthreads();
   if (l < L) {
     int run = part_sums[row_group][lane];
-    for (int b = b_begin; b < b_end; ++b) {
-      const long long at = static_cast<long long>(b) * L;
-      const int v = column[at];
-      column[at] = run;
-      run += v;
+    for (int b = b_begin; b < b_end; b += kScanBatch) {
+      int v[kScanBatch];
+#pragma unroll
+      for (int j = 0; j < kScanBatch; ++j)
+        v[j] = b + j < b_end ? column[static_cast<long long>(b + j) * L] : 0;
+#pragma unroll
+      for (int j = 0; j < kScanBatch; ++j) {
+        if (b + j < b_end) {
+          column[static_cast<long long>(b + j) * L] = run;
+          run += v[j];
+        }
+      }
     }
   }
 }

@@ -460,13 +460,15 @@ TEST(RoutingCuda, ExpertCountBoundaries) {
   }
 }
 
-// Group limits: every rule, group sizes on the fast chunk path (G % 4 == 0, at most two scores
-// summed) and on the generic path (any other G, topk_sum with more than two scores).
+// Group limits: every rule, group sizes on the lane path (route_warp.cuh: group_limit_lanes), on
+// the chunk path (G % 4 == 0, at most two scores summed) and on the generic path (any other G,
+// topk_sum with more than two scores).
 TEST(RoutingCuda, GroupLimits) {
   SY_SKIP_WITHOUT_GPU();
   struct G {
     int E, n_group, topk_group, K;
   };
+  // The last six: lane path with 1, 2, 4 and 8 lanes per group, some with chunks past E.
   const G groups[] = {
       {256, 8, 4, 8},    {256, 8, 1, 8},   {256, 8, 7, 8},    {256, 4, 2, 8},   {256, 2, 1, 8},
       {256, 64, 5, 8},   {256, 256, 8, 8}, {256, 128, 9, 10}, {160, 8, 3, 6},   {160, 8, 3, 8},
@@ -474,7 +476,8 @@ TEST(RoutingCuda, GroupLimits) {
       {512, 16, 4, 32},  {576, 9, 3, 10},  {576, 144, 11, 8}, {896, 7, 3, 8},   {896, 14, 5, 22},
       {2048, 32, 4, 32}, {2048, 64, 8, 8}, {4096, 64, 8, 32}, {4096, 8, 2, 8},  {8, 2, 1, 2},
       {8, 4, 2, 2},      {16, 4, 2, 4},    {12, 3, 2, 4},     {64, 16, 3, 8},   {120, 6, 2, 8},
-      {100, 25, 3, 8},   {96, 3, 1, 8},
+      {100, 25, 3, 8},   {96, 3, 1, 8},    {128, 32, 5, 8},   {256, 32, 6, 8},  {256, 16, 3, 8},
+      {384, 24, 5, 8},   {96, 24, 4, 8},   {224, 7, 2, 8},
   };
   int i = 0;
   for (const G& g : groups) {

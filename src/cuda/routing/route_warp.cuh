@@ -110,6 +110,10 @@ struct RouteParams {
   int group_size = 1;        // G = E / n_group
   int group_take = 1;        // scores summed per group: min(take, G)
   unsigned group_magic = 0;  // fast division by G (or by G / 4 on the chunk path); 0: divisor 1
+  // Chunk path with G / 4 a power of two <= 32 and n_group <= 32: with 32 lanes per row the
+  // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
+  int group_lanes = 0;
+  int group_shift = 0;  // log2(G / 4)
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
@@ -237,6 +241,11 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
     if (G % 4 == 0 && p.group_take <= 2) {
       p.group_path = kGroupChunks;
       p.group_magic = div_magic(static_cast<unsigned>(G / 4));
+      const int per_group = G / 4;
+      if (per_group <= 32 && (per_group & (per_group - 1)) == 0 && c.n_group <= 32) {
+        p.group_lanes = 1;
+        while ((1 << p.group_shift) < per_group) ++p.group_shift;
+      }
     } else {
       p.group_path = kGroupGeneric;
       p.group_magic = div_magic(static_cast<unsigned>(G));
@@ -249,7 +258,7 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
 // or keys (4 bytes per expert slot), then n_group score keys and n_group selection flags.
 template <class Shape>
 __host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
-  if (p.group_path == kGroupNone) return 0;
+  if (p.group_path == kGroupNone || (Shape::W == 32 && p.group_lanes)) return 0;
   const std::size_t head = p.group_path == kGroupChunks ? std::size_t{8} * Shape::W * Shape::S
                                                         : std::size_t{16} * Shape::W * Shape::S;
   return (head + static_cast<std::size_t>(p.n_group) * 5 + 15) / 16 * 16;
@@ -507,6 +516,62 @@ __device__ __forceinline__ void group_limit_chunks(const RouteParams& p, std::ui
   __syncwarp();
 }
 
+// Group limit, lane path (W == 32 and p.group_lanes): chunk ch = 32 * i + lane of stripe i
+// belongs to group ch >> group_shift, so a group's chunks are 2^group_shift consecutive lanes of
+// one stripe. Its top-2 keys come from xor butterflies inside those lanes (the top 2 of a union
+// are the top 2 of the two halves' top 2s), and the kept groups end up in a warp-uniform bit
+// mask (n_group <= 32). Same scores, same order (key desc, group asc) as group_limit_chunks;
+// no shared memory.
+template <class Shape>
+__device__ __forceinline__ void group_limit_lanes(const RouteParams& p, std::uint32_t (&key)[Shape::kValues],
+                                                  int sl) {
+  constexpr int S = Shape::S;
+  static_assert(Shape::W == 32, "lane path needs whole-warp rows");
+  const int lanes = 1 << p.group_shift;
+  const int chunks = p.num_experts / 4;
+  std::uint32_t score[S];  // group score key; 0 for chunks past E (no group)
+  int grp[S];
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const std::uint32_t a = key[4 * i], b = key[4 * i + 1], c = key[4 * i + 2], d = key[4 * i + 3];
+    const std::uint32_t hi1 = max(a, b), lo1 = min(a, b), hi2 = max(c, d), lo2 = min(c, d);
+    std::uint32_t t1 = max(hi1, hi2);
+    std::uint32_t t2 = max(min(hi1, hi2), max(lo1, lo2));
+    for (int off = 1; off < lanes; off <<= 1) {  // uniform trip count
+      const std::uint32_t u1 = __shfl_xor_sync(kFullMask, t1, off);
+      const std::uint32_t u2 = __shfl_xor_sync(kFullMask, t2, off);
+      t2 = max(min(t1, u1), max(t2, u2));
+      t1 = max(t1, u1);
+    }
+    const int ch = 32 * i + sl;
+    grp[i] = ch >> p.group_shift;
+    const float sc = p.group_take == 1 ? key_score(t1) : __fadd_rn(key_score(t1), key_score(t2));
+    score[i] = ch < chunks ? canonical_key(sc) : 0u;  // canonical keys are never 0
+  }
+  std::uint32_t kept = 0;  // warp-uniform
+  for (int r = 0; r < p.topk_group; ++r) {
+    std::uint32_t best = 0;
+    unsigned best_g = 0xffffffffu;
+#pragma unroll
+    for (int i = 0; i < S; ++i) {  // grp[i] ascends with i: strict > keeps the lowest group
+      const std::uint32_t k = ((kept >> (grp[i] & 31)) & 1u) ? 0u : score[i];
+      if (k > best) {
+        best = k;
+        best_g = static_cast<unsigned>(grp[i]);
+      }
+    }
+    const std::uint32_t mk = __reduce_max_sync(kFullMask, best);
+    const unsigned wg = __reduce_min_sync(kFullMask, best == mk ? best_g : 0xffffffffu);
+    kept |= 1u << (wg & 31u);  // topk_group < n_group: an unkept group always remains (mk > 0)
+  }
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const bool keep = score[i] != 0u && ((kept >> (grp[i] & 31)) & 1u);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) key[4 * i + c] = keep ? key[4 * i + c] : 0u;
+  }
+}
+
 // Group limit, generic path: any G, any number of summed scores.
 template <class Shape>
 __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
@@ -692,7 +757,14 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   // 4. Group limit.
   unsigned char* srow = warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape>(p);
   if (p.group_path == kGroupChunks) {
-    group_limit_chunks<Shape>(p, key, srow, sl);
+    bool done = false;
+    if constexpr (W == 32) {
+      if (p.group_lanes) {
+        group_limit_lanes<Shape>(p, key, sl);
+        done = true;
+      }
+    }
+    if (!done) group_limit_chunks<Shape>(p, key, srow, sl);
   } else if (p.group_path == kGroupGeneric) {
     group_limit_generic<Shape>(p, key, srow, sl);
   }

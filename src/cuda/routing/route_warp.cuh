@@ -707,12 +707,10 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     for (int off = W / 2; off >= 1; off /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, off));
     sm.sum = sum;
     sm.rcp = __frcp_rn(sum);
-    if (fast) {  // one branch per lane, not one per value
 #pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = finite(v[j]) ? div_fast(v[j], sm.sum, sm.rcp) : v[j];
-    } else {
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = finite(v[j]) ? div_by(v[j], sm.sum, sm.rcp) : v[j];
+    for (int j = 0; j < V; ++j) {
+      const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);
+      v[j] = finite(v[j]) ? q : v[j];
     }
   } else if (p.pre == PreFn::kSigmoid) {
     bool fast = true;  // a NaN logit fails the test

@@ -162,8 +162,8 @@ __device__ __forceinline__ void part_range(int n, int part, int parts, int& begi
 }
 
 // Part `part` of `parts` of every row and tile that is not a real row, without any search:
-//   * experts [l0, l1) of the part, a warp each: padding rows [ends[l], offs[l+1]) (< M of them)
-//     and the tiles [offs[l] / M, offs[l+1] / M) of the expert;
+//   * experts [l0, l1) of the part, 32 per warp: padding rows [ends[l], offs[l+1]) (< M of them)
+//     and the tiles [offs[l] / M, offs[l+1] / M) of each expert;
 //   * rows [padded_total, capacity_rows) and tiles [num_tiles, capacity_tiles), split evenly.
 // With every part in [0, parts) run, each such row and tile is written exactly once; the real
 // rows are written by the caller. offs[L] = padded_total; ends[l] = offs[l] + counts[l].
@@ -180,19 +180,37 @@ __device__ __forceinline__ void fill_padding_and_tiles(const LayoutParams& p, co
   const int M = p.tile_size;
   int l0, l1;
   part_range(L, part, parts, l0, l1);
-  for (int l = l0 + warp; l < l1; l += kWarps) {
-    const int begin = offs[l];
-    const int end = ends[l];
-    const int next = offs[l + 1];
-    for (int r = end + lane; r < next; r += 32) {
-      p.permuted_to_expanded[r] = pad_expanded;
-      p.permuted_to_token[r] = pad_token;
+  // Lane i of warp w looks at expert base + i * kWarps (base = l0 + w, + kWarps * 32 per round:
+  // experts dealt round-robin over the warps, so a small slice still spreads over all of them);
+  // the warp then writes, coalesced, the padding rows and tiles of each of its 32 experts that has
+  // any (empty experts cost nothing more).
+  for (int base = l0 + warp; base < l1; base += kWarps * 32) {  // warp-uniform
+    const int l = base + lane * kWarps;
+    int pad_begin = 0, pad_end = 0, tile_begin = 0, tile_end = 0;
+    if (l < l1) {
+      pad_begin = ends[l];
+      pad_end = offs[l + 1];
+      tile_begin = offs[l] / M;
+      tile_end = pad_end / M;
     }
-    const int t_end = next / M;
-    for (int t = begin / M + lane; t < t_end; t += 32) {
-      p.tile_expert[t] = l;
-      p.tile_row_end[t] =
-          static_cast<int>(min(static_cast<long long>(t + 1) * M, static_cast<long long>(end)));
+    unsigned busy = __ballot_sync(0xffffffffu, tile_end > tile_begin);  // count > 0
+    while (busy != 0) {
+      const int src = __ffs(busy) - 1;
+      busy &= busy - 1;
+      const int e = base + src * kWarps;
+      const int pb = __shfl_sync(0xffffffffu, pad_begin, src);  // = offs[e] + counts[e]
+      const int pe = __shfl_sync(0xffffffffu, pad_end, src);
+      const int tb = __shfl_sync(0xffffffffu, tile_begin, src);
+      const int te = __shfl_sync(0xffffffffu, tile_end, src);
+      for (int r = pb + lane; r < pe; r += 32) {
+        p.permuted_to_expanded[r] = pad_expanded;
+        p.permuted_to_token[r] = pad_token;
+      }
+      for (int t = tb + lane; t < te; t += 32) {
+        p.tile_expert[t] = e;
+        p.tile_row_end[t] =
+            static_cast<int>(min(static_cast<long long>(t + 1) * M, static_cast<long long>(pb)));
+      }
     }
   }
   const int padded_total = offs[L];

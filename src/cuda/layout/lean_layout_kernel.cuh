@@ -140,12 +140,15 @@ __device__ __forceinline__ void lean_layout_block(const LayoutParams& p, Source 
   const std::uint32_t M = static_cast<std::uint32_t>(p.tile_size);
   int run_sum = 0;
   for (int l = e_begin; l < e_end; ++l) {
+    // All loads before any store (the compiler cannot tell the rows apart: L may be 0 for it).
+    int v[kLeanWarps];
+#pragma unroll
+    for (int w = 0; w < kLeanWarps; ++w) v[w] = hist[w * L + l];
     int c = 0;
 #pragma unroll
     for (int w = 0; w < kLeanWarps; ++w) {
-      const int v = hist[w * L + l];
       hist[w * L + l] = c;
-      c += v;
+      c += v[w];
     }
     ends[l] = c;
     run_sum += static_cast<int>(padded_count(static_cast<std::uint32_t>(c), M));
@@ -156,8 +159,11 @@ __device__ __forceinline__ void lean_layout_block(const LayoutParams& p, Source 
     const int c = ends[l];
     offs[l] = prefix;
     ends[l] = prefix + c;
+    int v[kLeanWarps];
 #pragma unroll
-    for (int w = 0; w < kLeanWarps; ++w) hist[w * L + l] += prefix;
+    for (int w = 0; w < kLeanWarps; ++w) v[w] = hist[w * L + l];
+#pragma unroll
+    for (int w = 0; w < kLeanWarps; ++w) hist[w * L + l] = v[w] + prefix;
     if (l >= l0 && l < l1) {
       p.counts[l] = c;
       p.offsets[l] = prefix;

@@ -784,7 +784,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     pick_key[s] = 0u;
     pick_e[s] = 0;
   }
-  bool ghost = false;
+  int ghost = 0;  // a full register: a bool here was packed into a byte (PRMT) every round
   for (int r = 0; r < K; ++r) {
     for (;;) {
       const std::uint32_t head = bk[0];
@@ -792,7 +792,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
       const unsigned my_e = static_cast<unsigned>(bb[0] + lane4);
       const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
       const bool won = head == mk && my_e == we;
-      const bool rescan = won && ghost;
+      const bool rescan = won && ghost != 0;
       if (__any_sync(kFullMask, rescan)) {
         if (rescan) {
           // Next D candidates after the ghost (gk, gb) in (key desc, expert asc) order.
@@ -806,7 +806,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
             const bool after = key[j] < gk || (key[j] == gk && base > gb);
             buffer_insert<D>(bk, bb, after ? key[j] : 0u, base);
           }
-          ghost = false;
+          ghost = 0;
         }
         continue;  // redo the round (segments without a rescan get the same answer)
       }
@@ -819,7 +819,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
       }
       if (won) {
         if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
-          ghost = true;  // keep the pick as an upper bound of what the lane still holds
+          ghost = 1;  // keep the pick as an upper bound of what the lane still holds
         } else {
 #pragma unroll
           for (int d = 0; d + 1 < D; ++d) {

@@ -36,8 +36,10 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     for t in test_routing_cuda test_layout_cuda test_permute_cuda; do
-      filt="${SANITIZE_FILTER:-*}"
-      timeout 240 compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
+      # Per-binary filters keep the sanitizer runs short: SAN_FILTER_test_routing_cuda=... etc.
+      var="SAN_FILTER_$t"
+      filt="${!var:-${SANITIZE_FILTER:-*}}"
+      timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
         "$B/tests/$t" --gtest_brief=1 --gtest_filter="$filt" >"$RES/san_${tool}_$t.log" 2>&1
       echo "compute-sanitizer $tool $t rc=$? $(grep -E 'ERROR SUMMARY' "$RES/san_${tool}_$t.log" | tail -1)"
     done

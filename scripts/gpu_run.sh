@@ -36,6 +36,7 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     for t in test_routing_cuda test_layout_cuda test_permute_cuda; do
+      if [ "$SECONDS" -gt "${TIME_BUDGET:-100000}" ]; then echo "compute-sanitizer $tool $t: skipped (time budget)"; continue; fi
       # Per-binary filters keep the sanitizer runs short: SAN_FILTER_test_routing_cuda=... etc.
       var="SAN_FILTER_$t"
       filt="${!var:-${SANITIZE_FILTER:-*}}"

@@ -33,6 +33,14 @@ if has test; then
   (cd "$B" && ctest -E cuda -j 8 >"$RES/ctest_cpu.log" 2>&1; tail -3 "$RES/ctest_cpu.log")
 fi
 
+if has bench; then
+  for s in routing layout permute; do
+    start=$(date +%s)
+    timeout 300 "$B/bench/bench_$s" "$RES/bench_$s.json" >"$RES/bench_$s.md" 2>&1
+    echo "bench_$s rc=$? $(( $(date +%s) - start )) s"
+  done
+fi
+
 if has sanitize; then
   for tool in memcheck racecheck; do
     for t in test_routing_cuda test_layout_cuda test_permute_cuda; do
@@ -44,14 +52,6 @@ if has sanitize; then
         "$B/tests/$t" --gtest_brief=1 --gtest_filter="$filt" >"$RES/san_${tool}_$t.log" 2>&1
       echo "compute-sanitizer $tool $t rc=$? $(grep -E 'ERROR SUMMARY' "$RES/san_${tool}_$t.log" | tail -1)"
     done
-  done
-fi
-
-if has bench; then
-  for s in routing layout permute; do
-    start=$(date +%s)
-    timeout 300 "$B/bench/bench_$s" "$RES/bench_$s.json" >"$RES/bench_$s.md" 2>&1
-    echo "bench_$s rc=$? $(( $(date +%s) - start )) s"
   done
 fi
 

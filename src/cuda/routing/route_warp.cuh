@@ -25,8 +25,8 @@
 //   with programmatic dependent launch.
 //
 // DESIGN
-//   Layout. A row is served by W lanes (a "segment"; W = 32 for large E, fewer for small E so
-//   that one warp routes 32 / W rows). Lane l of a segment owns the experts
+//   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64, fewer for E <= 64 so
+//   that one warp routes 32 / W rows; see kShapeTable). Lane l of a segment owns the experts
 //   e = 4*W*i + 4*l + c (stripe i < S, c < 4): four consecutive experts per stripe, so fp32
 //   loads are float4 (8-byte loads for bf16/fp16). With W = 32 this is exactly the canonical
 //   softmax layout of routing.h (partial j = (e / 4) % 32 is lane j); with W < 32 a lane holds
@@ -54,7 +54,9 @@
 //   (top2_sum, max, topk_sum with K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert
 //   chunks in shared memory, lanes merge the chunks of one group each, and topk_group rounds
 //   of segment reductions pick the groups. Any other group configuration takes a generic
-//   path: the row's keys go to shared memory and each lane ranks its groups by scanning.
+//   path: the row's keys go to shared memory and each lane ranks its groups by scanning. With
+//   W = 32, G / 4 a power of two and n_group <= 32 (DeepSeek-V3) a group's chunks are
+//   consecutive lanes of one stripe: xor butterflies and redux.sync instead (group_limit_lanes).
 //   Weights. Pick k sits in lane k % W of the segment (slot k / W). p of a pick equals its q
 //   (no bias) or is recomputed from the logit (with bias, or q == 0 where p may be -0), with
 //   the same code as the main pass. Sums over the K picks run in k order (shuffles), the rest

@@ -33,6 +33,18 @@ if has test; then
   (cd "$B" && ctest -E cuda -j 8 >"$RES/ctest_cpu.log" 2>&1; tail -3 "$RES/ctest_cpu.log")
 fi
 
+if has python; then
+  start=$(date +%s)
+  (cd "$SRC" && timeout "${PYTHON_TIMEOUT:-300}" bash scripts/python_test >"$RES/python.log" 2>&1; echo "python rc=$? $(( $(date +%s) - start )) s"; tail -4 "$RES/python.log")
+fi
+
+if has cli; then
+  start=$(date +%s)
+  (cd "$SRC" && SY_BENCH_REINSTALL="${SY_BENCH_REINSTALL:-0}" timeout "${CLI_TIMEOUT:-240}" bash scripts/bench \
+    --json "$RES/switchyard_bench.json" --plot "$RES/switchyard_bench.png" >"$RES/switchyard_bench.md" 2>"$RES/switchyard_bench.err")
+  echo "switchyard-bench rc=$? $(( $(date +%s) - start )) s"; head -3 "$RES/switchyard_bench.md"; tail -3 "$RES/switchyard_bench.err"
+fi
+
 if has bench; then
   for s in routing layout permute; do
     start=$(date +%s)
@@ -53,10 +65,6 @@ if has sanitize; then
       echo "compute-sanitizer $tool $t rc=$? $(grep -E 'ERROR SUMMARY' "$RES/san_${tool}_$t.log" | tail -1)"
     done
   done
-fi
-
-if has python; then
-  (cd "$SRC" && timeout 400 bash scripts/python_test >"$RES/python.log" 2>&1; echo "python rc=$?"; tail -5 "$RES/python.log")
 fi
 
 if has demo; then

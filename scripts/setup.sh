@@ -13,15 +13,16 @@ sy_need_packages() {
   command -v make >/dev/null 2>&1 || missing+=(make)
   command -v git >/dev/null 2>&1 || missing+=(git)
   command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-pip)
-  if [ ! -e /usr/include/gtest/gtest.h ] && [ ! -e /usr/local/include/gtest/gtest.h ]; then
+  # "nogtest": the caller builds no C++ tests (scripts/bench).
+  if [ "${1:-}" != nogtest ] && [ ! -e /usr/include/gtest/gtest.h ] && [ ! -e /usr/local/include/gtest/gtest.h ]; then
     missing+=(libgtest-dev)
   fi
   if [ "${#missing[@]}" -gt 0 ]; then
     echo "setup: installing ${missing[*]}"
     local sudo=""
     [ "$(id -u)" -ne 0 ] && sudo="sudo"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+    { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"; } ||
+      echo "setup: could not install ${missing[*]}; the build may fail without them" >&2
   fi
   # nvcc usually lives outside PATH in /usr/local/cuda.
   if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then

@@ -1,32 +1,30 @@
 #include "common/validate.h"
 
 #include <cstdint>
-#include <sstream>
 #include <vector>
 
 namespace switchyard::detail {
 
+// Plain string building (no iostreams): the messages are built on error paths inside host
+// processes such as Python interpreters, where locale-dependent stream code is one more thing
+// that can differ between the libraries loaded.
 std::string shape_string(const TensorView& t) {
-  std::ostringstream s;
-  s << "[";
-  for (int d = 0; d < t.ndim; ++d) s << (d ? ", " : "") << t.shape[d];
-  s << "]";
-  return s.str();
+  std::string s = "[";
+  const int ndim = t.ndim < 0 ? 0 : (t.ndim > kMaxDims ? kMaxDims : t.ndim);
+  for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(t.shape[d]);
+  return s + "]";
 }
 
 namespace {
 
 std::string shape_list(std::initializer_list<std::int64_t> shape) {
-  std::ostringstream s;
-  s << "[";
+  std::string s = "[";
   int d = 0;
   for (std::int64_t v : shape) {
-    s << (d++ ? ", " : "");
-    if (v == kAnySize) s << "*";
-    else s << v;
+    s += (d++ ? ", " : "");
+    s += v == kAnySize ? std::string("*") : std::to_string(v);
   }
-  s << "]";
-  return s.str();
+  return s + "]";
 }
 
 std::string dtype_list(std::initializer_list<DType> dtypes) {

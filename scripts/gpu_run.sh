@@ -40,7 +40,7 @@ fi
 
 if has cli; then
   start=$(date +%s)
-  (cd "$SRC" && SY_BENCH_REINSTALL="${SY_BENCH_REINSTALL:-0}" timeout "${CLI_TIMEOUT:-240}" bash scripts/bench \
+  (cd "$SRC" && SWITCHYARD_GIT_COMMIT="${COMMIT:-}" SY_BENCH_REINSTALL="${SY_BENCH_REINSTALL:-0}" timeout "${CLI_TIMEOUT:-240}" bash scripts/bench \
     --json "$RES/switchyard_bench.json" --plot "$RES/switchyard_bench.png" >"$RES/switchyard_bench.md" 2>"$RES/switchyard_bench.err")
   echo "switchyard-bench rc=$? $(( $(date +%s) - start )) s"; head -3 "$RES/switchyard_bench.md"; tail -3 "$RES/switchyard_bench.err"
 fi

@@ -77,6 +77,9 @@ def _percentiles(samples: List[float]) -> Dict[str, float]:
 
 
 def _git_commit() -> str:
+    # A run from an exported tree (no .git) can be told its commit.
+    if os.environ.get("SWITCHYARD_GIT_COMMIT"):
+        return os.environ["SWITCHYARD_GIT_COMMIT"]
     for cwd in (os.getcwd(), os.path.dirname(os.path.abspath(__file__))):
         try:
             r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)

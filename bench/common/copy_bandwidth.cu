@@ -41,15 +41,10 @@ double measure_kernel_copy_bandwidth() {
     copy_kernel<<<sms * 8, 512, 0, s>>>(static_cast<const uint4*>(a), static_cast<uint4*>(b), n);
     return cudaGetLastError() == cudaSuccess;
   };
-  time_in_graph(copy, 10, 20);  // warm-up
-  double best_us = 0;
-  for (int i = 0; i < 3; ++i) {
-    const Timing t = time_in_graph(copy, 4, 25);
-    if (t.ok && (best_us == 0 || t.median_us < best_us)) best_us = t.median_us;
-  }
+  const double bandwidth = timed_copy_bandwidth(copy, bytes);
   cudaFree(a);
   cudaFree(b);
-  return best_us > 0 ? 2.0 * bytes / (best_us * 1e-6) : 0;
+  return bandwidth;
 }
 
 }  // namespace sy_bench

@@ -82,6 +82,18 @@ inline Timing time_in_graph(const std::function<bool(cudaStream_t, int)>& enqueu
   return t;
 }
 
+// Bytes/s (read + written) of `copy`, which moves `bytes` per call: ~200 calls to warm the clocks
+// up, then the best median of three graph timings.
+inline double timed_copy_bandwidth(const std::function<bool(cudaStream_t, int)>& copy, size_t bytes) {
+  time_in_graph(copy, 10, 20);
+  double best_us = 0;
+  for (int i = 0; i < 3; ++i) {
+    const Timing t = time_in_graph(copy, 4, 25);
+    if (t.ok && (best_us == 0 || t.median_us < best_us)) best_us = t.median_us;
+  }
+  return best_us > 0 ? 2.0 * bytes / (best_us * 1e-6) : 0;
+}
+
 // Copy bandwidth (bytes read + written, bytes/s) of a vectorized copy kernel over 1 GiB
 // (bench/common/copy_bandwidth.cu).
 double measure_kernel_copy_bandwidth();
@@ -100,15 +112,9 @@ inline double measure_copy_bandwidth() {
   auto copy = [&](cudaStream_t s, int) {
     return cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s) == cudaSuccess;
   };
-  time_in_graph(copy, 10, 20);  // warm-up: ~200 copies
-  double best_us = 0;
-  for (int i = 0; i < 3; ++i) {
-    const Timing t = time_in_graph(copy, 4, 25);
-    if (t.ok && (best_us == 0 || t.median_us < best_us)) best_us = t.median_us;
-  }
+  const double memcpy_bw = timed_copy_bandwidth(copy, bytes);
   cudaFree(a);
   cudaFree(b);
-  const double memcpy_bw = best_us > 0 ? 2.0 * bytes / (best_us * 1e-6) : 0;
   const double kernel_bw = measure_kernel_copy_bandwidth();
   return memcpy_bw > kernel_bw ? memcpy_bw : kernel_bw;
 }

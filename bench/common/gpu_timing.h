@@ -6,7 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -117,6 +119,15 @@ inline double measure_copy_bandwidth() {
   cudaFree(b);
   const double kernel_bw = measure_kernel_copy_bandwidth();
   return memcpy_bw > kernel_bw ? memcpy_bw : kernel_bw;
+}
+
+// SY_BENCH_TOKENS="4096,65536" restricts a benchmark to those token counts, so that a profiler
+// (ncu -c 1) sees the point of interest first; unset or empty: every point.
+inline bool token_selected(std::int64_t tokens) {
+  const char* env = std::getenv("SY_BENCH_TOKENS");
+  if (env == nullptr || *env == '\0') return true;
+  const std::string list = std::string(",") + env + ",";
+  return list.find("," + std::to_string(tokens) + ",") != std::string::npos;
 }
 
 inline std::string device_name() {

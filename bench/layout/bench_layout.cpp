@@ -243,10 +243,10 @@ int main(int argc, char** argv) {
   const std::int64_t layout_ts[] = {1, 16, 128, 256, 1024, 4096, 8192, 16384, 65536, 262144};
   for (const auto& [E, K] : {std::pair<int, int>{256, 8}, std::pair<int, int>{512, 10}}) {
     for (const std::int64_t T : layout_ts)
-      points.push_back(bench_layout_from_ids(E, K, 128, T, false, bandwidth, g));
+      if (sy_bench::token_selected(T)) points.push_back(bench_layout_from_ids(E, K, 128, T, false, bandwidth, g));
   }
   for (const std::int64_t T : layout_ts)
-    points.push_back(bench_layout_from_ids(256, 8, 128, T, true, bandwidth, g));
+    if (sy_bench::token_selected(T)) points.push_back(bench_layout_from_ids(256, 8, 128, T, true, bandwidth, g));
 
   const std::int64_t route_ts[] = {1, 16, 128, 256, 1024, 4096, 8192};
   for (const char* name : {"deepseek-v3", "qwen3-next-80b"}) {
@@ -256,7 +256,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     for (const std::int64_t T : route_ts)
-      points.push_back(bench_route_and_layout(preset, 128, T, bandwidth, g));
+      if (sy_bench::token_selected(T)) points.push_back(bench_route_and_layout(preset, 128, T, bandwidth, g));
   }
 
   std::printf("# bench_layout on %s (commit %s), copy bandwidth %.2f TB/s\n\n", device.c_str(), SY_GIT_COMMIT,

@@ -411,8 +411,10 @@ int main(int argc, char** argv) {
   const std::int64_t kTokens[] = {1, 16, 128, 1024, 4096, 16384};
   for (std::int64_t H : kHidden)
     for (int K : kTopK)
-      for (std::int64_t T : kTokens) run_shape(H, K, T, copy_bw, &points);
-  for (std::int64_t T : kTokens) run_fp8(7168, 8, T, copy_bw, &points);
+      for (std::int64_t T : kTokens)
+        if (sy_bench::token_selected(T)) run_shape(H, K, T, copy_bw, &points);
+  for (std::int64_t T : kTokens)
+    if (sy_bench::token_selected(T)) run_fp8(7168, 8, T, copy_bw, &points);
 
   std::printf(
       "| op | dtype | H | K | E | T | median us | p10 us | p90 us | MB moved | GB/s | %% copy | target | met "

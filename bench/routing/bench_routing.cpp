@@ -150,6 +150,7 @@ int main(int argc, char** argv) {
     const int K = bc.routing.top_k;
     for (DType dtype : dtypes) {
       for (std::int64_t T : tokens) {
+        if (!sy_bench::token_selected(T)) continue;
         const std::size_t elem = switchyard::dtype_size(dtype);
         const std::size_t logits_bytes = static_cast<std::size_t>(T) * E * elem;
         const std::size_t bias_bytes = bc.has_bias ? static_cast<std::size_t>(E) * 4 : 0;

@@ -42,13 +42,15 @@
 //   Ranking. A selection score q (canonical: NaN -> -inf) becomes an ordered 32-bit key
 //   (larger q <=> larger key, -0 == +0); key 0 is below -inf and marks "not a candidate"
 //   (padding past E, experts of dropped groups). ranks_before(q, e) is then (key desc, e asc).
-//   Top-K. Each lane keeps its best D candidates, sorted, in registers. Each round the segment
+//   Top-K. Each lane keeps its best D candidates, sorted, in registers, and the largest key it
+//   holds outside them (`next`). Each round the segment
 //   reduces the heads twice (max key, then min expert among equal keys): redux.sync for a whole
 //   warp, xor-shuffle butterflies inside narrower segments (each shuffle serves 32/W rows; a
-//   per-segment redux.sync would be serialized). The winning lane pops its head. A lane whose buffer runs dry
-//   keeps its last pick as a "ghost" head: an upper bound of what it still holds. Only if a ghost wins a
-//   round does the lane rescan its values for the next D after the ghost, and the round is redone. Rescans
-//   are thus rare (a lane must hold more than D of the K picks) and the buffers stay small. (Idea of
+//   per-segment redux.sync would be serialized). The winning lane pops its head. A lane whose
+//   buffer runs dry shows `next` as a "ghost" head claiming the lowest expert index: only if a
+//   ghost wins a round may the lane hold that round's pick, and only then does it rescan its
+//   values for the next D after its last pop; the round is redone. Rescans are thus rare (a
+//   lane must hold more than D of the K picks) and the buffers stay small. (Idea of
 //   per-thread candidate queues merged by warp reductions: FAISS WarpSelect, TensorRT-LLM's MoE top-k
 //   kernels; this code is our own.) Groups. With group size G % 4 == 0 and at most 2 scores summed per group
 //   (top2_sum, max, topk_sum with K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert
@@ -283,6 +285,16 @@ constexpr std::uint32_t kPosInfKey = 0xff800000u;  // score_key(+inf)
 constexpr std::uint32_t kZeroKey = 0x80000000u;    // score_key(+0) == score_key(-0)
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+// max(a, b) that returns NaN when either is NaN (fmaxf returns the other operand).
+__device__ __forceinline__ float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
 __device__ __forceinline__ bool finite(float x) { return fabsf(x) < __uint_as_float(0x7f800000u); }
 
 // Ordered key of a non-NaN score (see the file comment). q + 0 turns -0 into +0.
@@ -405,9 +417,12 @@ __device__ __forceinline__ void load_chunk(const void* base, int dtype, bool vec
 }
 
 // Sorted candidate buffer insert (best first; equal keys keep the earlier, lower expert).
+// `next` tracks the (D+1)-th largest key inserted (keys only, with multiplicity): the largest
+// key left outside the buffer.
 template <int D>
-__device__ __forceinline__ void buffer_insert(std::uint32_t (&bk)[D], int (&bb)[D], std::uint32_t x,
-                                              int base) {
+__device__ __forceinline__ void buffer_insert(std::uint32_t (&bk)[D], int (&bb)[D], std::uint32_t& next,
+                                              std::uint32_t x, int base) {
+  next = max(next, min(x, bk[D - 1]));
   bool gt[D];
 #pragma unroll
   for (int d = 0; d < D; ++d) gt[d] = x > bk[d];
@@ -649,19 +664,85 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   const void* row_ptr = static_cast<const char*>(p.logits) +
                         (row_ok ? row : 0) * p.row_stride * static_cast<std::int64_t>(elem);
 
-  // 1. Load the row (absent experts read as -inf: outside every softmax sum).
+  // 1. Load the row (absent experts read as -inf: outside every softmax sum; a dummy row past T
+  // reads as zeros, a harmless finite row whose results are not written).
   float v[V];
 #pragma unroll
   for (int i = 0; i < S; ++i)
-    load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, neg_inf(), &v[4 * i]);
+    load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, row_ok ? neg_inf() : 0.0f,
+               &v[4 * i]);
 
   // 2. Pre-scores p (in v).
-  // The per-value math has a fast path (exp_fast, div_fast, rcp_normal) and a general one. A
-  // lane checks its values once and runs a branch-free loop when all are in the fast range, so
-  // that the compiler can interleave the values' dependency chains; the general loop (one
-  // branch per value) only runs in lanes that hold extreme or non-finite logits.
+  // The per-value math has a fast path (exp_fast, div_fast, rcp_normal) and a general one.
+  // Softmax checks the whole warp once and then runs branch-free, without per-value finiteness
+  // tests; sigmoid checks per lane. The general loops (one branch per value) only run where
+  // extreme or non-finite logits occur.
   SoftmaxRow sm{0.0f, 1.0f, 1.0f};
+  std::uint32_t key[V];
+  bool keys_ready = false;    // warp-uniform: key[] already holds the selection keys
+  bool softmax_done = false;  // warp-uniform: the fast softmax path ran
   if (p.pre == PreFn::kSoftmax) {
+    // Fast path, taken when every row of the warp is finite with max - min <= 44 (the common
+    // case): no per-value special cases. Otherwise the general code below handles everything.
+    // Only present experts count (absent ones were loaded as -inf); dummy rows are all -inf.
+    float fmx = neg_inf(), fmn = __uint_as_float(0x7f800000u), amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      const bool partial = 4 * W * (i + 1) > E;  // uniform
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = 4 * i + c;
+        const bool present = !partial || 4 * W * i + lane4 + c < E;
+        fmx = present ? fmaxf(fmx, v[j]) : fmx;
+        fmn = present ? fminf(fmn, v[j]) : fmn;
+        amax = present ? max_nan(amax, fabsf(v[j])) : amax;
+      }
+    }
+    const bool lane_finite = amax < __uint_as_float(0x7f800000u);  // false for inf and NaN
+    const float fm = key_score(segment_max<W>(score_key(lane_finite ? fmx : 0.0f)));
+    const bool all_fast = __all_sync(kFullMask, !lane_finite ? false : __fadd_rn(fmn, -fm) >= -44.0f);
+    if (all_fast) {
+      sm.m = fm;
+      float acc[NA];
+#pragma unroll
+      for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        const bool partial = 4 * W * (i + 1) > E;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int j = 4 * i + c;
+          const bool present = !partial || 4 * W * i + lane4 + c < E;
+          const float e = present ? exp_fast(__fadd_rn(v[j], -sm.m)) : 0.0f;
+          v[j] = e;
+          acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], e);
+        }
+      }
+#pragma unroll
+      for (int h = NA / 2; h >= 1; h /= 2) {
+        float next[NA];
+#pragma unroll
+        for (int a = 0; a < NA; ++a) next[a] = __fadd_rn(acc[a], acc[a ^ h]);
+#pragma unroll
+        for (int a = 0; a < NA; ++a) acc[a] = next[a];
+      }
+      float sum = acc[0];
+#pragma unroll
+      for (int off = W / 2; off >= 1; off /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, off));
+      sm.sum = sum;
+      sm.rcp = __frcp_rn(sum);
+      // p >= 2^-76 > 0 here, so canonical_key(p) is p's bits with the sign bit set. Absent
+      // experts get key 0 below.
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        v[j] = div_fast(v[j], sm.sum, sm.rcp);
+        key[j] = __float_as_uint(v[j]) | 0x80000000u;
+      }
+      keys_ready = p.bias == nullptr;
+      softmax_done = true;
+    }
+  }
+  if (p.pre == PreFn::kSoftmax && !softmax_done) {
     float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -731,8 +812,9 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   }
 
   // 3. Selection keys of q = canonical(p (+ bias)); 0 for experts past E.
-  std::uint32_t key[V];
-  if (p.bias != nullptr) {
+  if (keys_ready) {
+    // set by the fast softmax path
+  } else if (p.bias != nullptr) {
     // Loaded here rather than with the logits to keep 4*S registers free; the bias is shared by
     // every row, so these loads hit in L1/L2.
 #pragma unroll
@@ -769,7 +851,10 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     group_limit_generic<Shape>(p, key, srow, sl);
   }
 
-  // 5. Top-K.
+  // 5. Top-K. A lane whose buffer runs dry shows `next` (the largest key it has left, see
+  // buffer_insert) as its head and claims the lowest expert index for it: a "ghost" that
+  // wins a round only when the lane may really hold the round's pick. Then the lane rescans
+  // its values for the next D candidates after its last pop (gk, gb) and the round is redone.
   std::uint32_t bk[D];
   int bb[D];
 #pragma unroll
@@ -777,8 +862,9 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     bk[d] = 0u;
     bb[d] = 0;
   }
+  std::uint32_t next = 0u;
 #pragma unroll
-  for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, key[j], value_base<Shape>(j));
+  for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
   std::uint32_t pick_key[SL];
   int pick_e[SL];
 #pragma unroll
@@ -787,52 +873,54 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     pick_e[s] = 0;
   }
   int ghost = 0;  // a full register: a bool here was packed into a byte (PRMT) every round
-  for (int r = 0; r < K; ++r) {
-    for (;;) {
-      const std::uint32_t head = bk[0];
-      const std::uint32_t mk = segment_max<W>(head);
-      const unsigned my_e = static_cast<unsigned>(bb[0] + lane4);
-      const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
-      const bool won = head == mk && my_e == we;
-      const bool rescan = won && ghost != 0;
-      if (__any_sync(kFullMask, rescan)) {
-        if (rescan) {
-          // Next D candidates after the ghost (gk, gb) in (key desc, expert asc) order.
-          const std::uint32_t gk = bk[0];
-          const int gb = bb[0];
+  std::uint32_t gk = 0u;
+  int gb = 0;
+  for (int r = 0; r < K;) {
+    const std::uint32_t head = bk[0];
+    const std::uint32_t mk = segment_max<W>(head);
+    const unsigned my_e = ghost != 0 ? 0u : static_cast<unsigned>(bb[0] + lane4);
+    const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
+    const bool won = head == mk && my_e == we;
+    const bool rescan = won && ghost != 0;
+    if (__any_sync(kFullMask, rescan)) {
+      if (rescan) {
+        // Next D candidates after the last pop (gk, gb) in (key desc, expert asc) order.
 #pragma unroll
-          for (int d = 0; d < D; ++d) bk[d] = 0u;
+        for (int d = 0; d < D; ++d) bk[d] = 0u;
+        next = 0u;
 #pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const int base = value_base<Shape>(j);
-            const bool after = key[j] < gk || (key[j] == gk && base > gb);
-            buffer_insert<D>(bk, bb, after ? key[j] : 0u, base);
-          }
-          ghost = 0;
+        for (int j = 0; j < V; ++j) {
+          const int base = value_base<Shape>(j);
+          const bool after = key[j] < gk || (key[j] == gk && base > gb);
+          buffer_insert<D>(bk, bb, next, after ? key[j] : 0u, base);
         }
-        continue;  // redo the round (segments without a rescan get the same answer)
+        ghost = 0;
       }
-#pragma unroll
-      for (int s = 0; s < SL; ++s) {
-        if (r == s * W + sl) {
-          pick_key[s] = mk;
-          pick_e[s] = static_cast<int>(we);
-        }
-      }
-      if (won) {
-        if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
-          ghost = 1;  // keep the pick as an upper bound of what the lane still holds
-        } else {
-#pragma unroll
-          for (int d = 0; d + 1 < D; ++d) {
-            bk[d] = bk[d + 1];
-            bb[d] = bb[d + 1];
-          }
-          bk[D - 1] = 0u;
-        }
-      }
-      break;
+      continue;  // redo the round (segments without a rescan get the same answer)
     }
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {
+      if (r == s * W + sl) {
+        pick_key[s] = mk;
+        pick_e[s] = static_cast<int>(we);
+      }
+    }
+    if (won) {
+      if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
+        ghost = 1;
+        gk = bk[0];
+        gb = bb[0];
+        bk[0] = next;
+      } else {
+#pragma unroll
+        for (int d = 0; d + 1 < D; ++d) {
+          bk[d] = bk[d + 1];
+          bb[d] = bb[d + 1];
+        }
+        bk[D - 1] = 0u;
+      }
+    }
+    ++r;
   }
 
   // 6. Weights from p of the picks (oracle: detail::post_weights, sums in k order).

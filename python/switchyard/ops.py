@@ -377,23 +377,34 @@ _GATHER_NAMES = {"x_scales": "scales", "x_perm": "out", "x_perm_scales": "out_sc
 
 @torch.library.custom_op("switchyard::gather_out", mutates_args=("out", "out_scales"))
 def gather_out(x: Tensor, scales: Optional[Tensor], permuted_to_token: Tensor, totals: Tensor, out: Tensor,
-               out_scales: Optional[Tensor], zero_fill_padding: bool) -> None:
+               out_scales: Optional[Tensor], zero_fill_padding: bool,
+               expanded_to_permuted: Optional[Tensor] = None) -> None:
     """out[p] = x[permuted_to_token[p]] for the rows p < padded_total holding a token (scales
-    move along); padding rows zero-filled when asked; rows >= padded_total untouched."""
-    _gather_impl(x, scales, permuted_to_token, totals, out, out_scales, zero_fill_padding)
+    move along); padding rows zero-filled when asked; rows >= padded_total untouched.
+    expanded_to_permuted (the layout's [T,K], optional) changes only the speed: the CUDA
+    backend then reads each token row once and writes it to all its rows."""
+    _gather_impl(x, scales, permuted_to_token, totals, out, out_scales, zero_fill_padding, expanded_to_permuted)
 
 
-def _gather_impl(x, scales, permuted_to_token, totals, out, out_scales, zero_fill_padding) -> None:
+def _gather_impl(x, scales, permuted_to_token, totals, out, out_scales, zero_fill_padding,
+                 expanded_to_permuted=None) -> None:
     op = "gather"
     layout = _ext.Layout()
     layout.permuted_to_token = _view(op, "layout.permuted_to_token", permuted_to_token)
     layout.totals = _view(op, "layout.totals", totals)
+    # Only a speed hint: passed when it is the [T,K] int32 array the C++ API accepts for this
+    # x, so that a layout whose expanded_to_permuted does not match x keeps working as before.
+    if (isinstance(expanded_to_permuted, Tensor) and expanded_to_permuted.dtype == torch.int32
+            and expanded_to_permuted.dim() == 2 and isinstance(x, Tensor) and x.dim() == 2
+            and expanded_to_permuted.shape[0] == x.shape[0] and expanded_to_permuted.device == x.device
+            and expanded_to_permuted.is_contiguous()):
+        layout.expanded_to_permuted = _view(op, "layout.expanded_to_permuted", expanded_to_permuted)
     _call(_ext.gather, x.device, _view(op, "x", x), _view(op, "scales", scales), layout, _view(op, "out", out),
           _view(op, "out_scales", out_scales), zero_fill_padding, rename=_GATHER_NAMES)
 
 
 @gather_out.register_fake
-def _(x, scales, permuted_to_token, totals, out, out_scales, zero_fill_padding) -> None:
+def _(x, scales, permuted_to_token, totals, out, out_scales, zero_fill_padding, expanded_to_permuted=None) -> None:
     return None
 
 
@@ -407,33 +418,35 @@ def _gather_shapes(x: Tensor, scales: Optional[Tensor], permuted_to_token: Tenso
 
 
 @torch.library.custom_op("switchyard::gather", mutates_args=())
-def _gather_functional(x: Tensor, permuted_to_token: Tensor, totals: Tensor, zero_fill_padding: bool) -> Tensor:
+def _gather_functional(x: Tensor, permuted_to_token: Tensor, totals: Tensor, zero_fill_padding: bool,
+                       expanded_to_permuted: Optional[Tensor] = None) -> Tensor:
     # Zero-initialized: rows past padded_total are never written by gather, and a functional
     # result must not carry uninitialized memory. gather_out skips this fill.
     _, shape, _ = _gather_shapes(x, None, permuted_to_token)
     out = torch.zeros(shape, dtype=x.dtype, device=x.device)
-    _gather_impl(x, None, permuted_to_token, totals, out, None, zero_fill_padding)
+    _gather_impl(x, None, permuted_to_token, totals, out, None, zero_fill_padding, expanded_to_permuted)
     return out
 
 
 @_gather_functional.register_fake
-def _(x, permuted_to_token, totals, zero_fill_padding):
+def _(x, permuted_to_token, totals, zero_fill_padding, expanded_to_permuted=None):
     _, shape, _ = _gather_shapes(x, None, permuted_to_token)
     return x.new_empty(shape)
 
 
 @torch.library.custom_op("switchyard::gather_scaled", mutates_args=())
 def _gather_scaled_functional(x: Tensor, scales: Tensor, permuted_to_token: Tensor, totals: Tensor,
-                              zero_fill_padding: bool) -> Tuple[Tensor, Tensor]:
+                              zero_fill_padding: bool,
+                              expanded_to_permuted: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     _, shape, scale_shape = _gather_shapes(x, scales, permuted_to_token)
     out = torch.zeros(shape, dtype=x.dtype, device=x.device)
     out_scales = torch.zeros(scale_shape, dtype=scales.dtype, device=scales.device)
-    _gather_impl(x, scales, permuted_to_token, totals, out, out_scales, zero_fill_padding)
+    _gather_impl(x, scales, permuted_to_token, totals, out, out_scales, zero_fill_padding, expanded_to_permuted)
     return out, out_scales
 
 
 @_gather_scaled_functional.register_fake
-def _(x, scales, permuted_to_token, totals, zero_fill_padding):
+def _(x, scales, permuted_to_token, totals, zero_fill_padding, expanded_to_permuted=None):
     _, shape, scale_shape = _gather_shapes(x, scales, permuted_to_token)
     return x.new_empty(shape), scales.new_empty(scale_shape)
 
@@ -609,13 +622,17 @@ def gather(x: Tensor, layout: Layout, scales: Optional[Tensor] = None, zero_fill
     zero_fill_padding. Without `out` the result is freshly zero-initialized; with out (and
     out_scales when scaled) those are written and rows >= padded_total are left untouched."""
     _check_tensor("gather", "x", x)
+    # expanded_to_permuted lets the CUDA backend read each token row once (token-major); the
+    # result is the same either way.
+    e2p = layout.expanded_to_permuted
     if out is not None:
         torch.ops.switchyard.gather_out(x, scales, layout.permuted_to_token, layout.totals, out, out_scales,
-                                        zero_fill_padding)
+                                        zero_fill_padding, e2p)
         return out if scales is None else (out, out_scales)
     if scales is None:
-        return torch.ops.switchyard.gather(x, layout.permuted_to_token, layout.totals, zero_fill_padding)
-    return torch.ops.switchyard.gather_scaled(x, scales, layout.permuted_to_token, layout.totals, zero_fill_padding)
+        return torch.ops.switchyard.gather(x, layout.permuted_to_token, layout.totals, zero_fill_padding, e2p)
+    return torch.ops.switchyard.gather_scaled(x, scales, layout.permuted_to_token, layout.totals, zero_fill_padding,
+                                              e2p)
 
 
 def combine(y_perm: Tensor, layout: Layout, weights: Optional[Tensor] = None, out: Optional[Tensor] = None,

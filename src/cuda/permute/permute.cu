@@ -25,14 +25,14 @@ using permute::kWarpsPerBlock;
 
 // Resident blocks per SM of a kernel, queried once per kernel (the build targets one
 // architecture, so the answer does not depend on the device).
-int resident_blocks_per_sm(const void* kernel) {
+int resident_blocks_per_sm(const void* kernel, int block_threads) {
   static std::mutex mutex;
   static std::unordered_map<const void*, int> cache;
   std::lock_guard<std::mutex> lock(mutex);
   auto found = cache.find(kernel);
   if (found != cache.end()) return found->second;
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kBlockThreads, 0) != cudaSuccess ||
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block_threads, 0) != cudaSuccess ||
       blocks < 1) {
     cudaGetLastError();  // not sticky; fall back to one block per SM
     blocks = 1;
@@ -41,15 +41,19 @@ int resident_blocks_per_sm(const void* kernel) {
   return blocks;
 }
 
-// Blocks of a kernel that fit on the current device at once.
-Status max_resident_blocks(const char* op, const void* kernel, std::int64_t* blocks) {
+// Blocks of `block_threads` threads of a kernel that fit on the current device at once.
+Status max_resident_blocks(const char* op, const void* kernel, int block_threads, std::int64_t* blocks) {
   int device = 0;
   int sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return cuda_status((std::string(op) + ": device query").c_str(), err);
-  *blocks = static_cast<std::int64_t>(sms) * resident_blocks_per_sm(kernel);
+  *blocks = static_cast<std::int64_t>(sms) * resident_blocks_per_sm(kernel, block_threads);
   return Status::Ok();
+}
+
+Status max_resident_blocks(const char* op, const void* kernel, std::int64_t* blocks) {
+  return max_resident_blocks(op, kernel, kBlockThreads, blocks);
 }
 
 // Launches `kernel(params)` with blocks of kBlockThreads threads: one block per
@@ -114,13 +118,12 @@ int gather_vector_bytes(const detail::GatherArgs& a) {
   return 1;
 }
 
-template <int kVecBytes>
-Status launch_gather(const detail::GatherArgs& a, const std::int32_t* expanded_to_permuted, int top_k,
-                     Stream stream) {
-  const std::int64_t row_bytes = a.hidden * static_cast<std::int64_t>(dtype_size(a.dtype));
+GatherParams gather_params(const detail::GatherArgs& a, const std::int32_t* expanded_to_permuted, int top_k,
+                           int vec_bytes) {
+  const std::int64_t elem = static_cast<std::int64_t>(dtype_size(a.dtype));
   GatherParams p;
   p.x = static_cast<const unsigned char*>(a.x);
-  p.x_row_stride_bytes = a.x_row_stride * static_cast<std::int64_t>(dtype_size(a.dtype));
+  p.x_row_stride_bytes = a.x_row_stride * elem;
   const bool scales = a.scale_cols > 0 && a.x_scales != nullptr && a.x_perm_scales != nullptr;
   p.x_scales = scales ? a.x_scales : nullptr;
   p.x_perm_scales = scales ? a.x_perm_scales : nullptr;
@@ -132,30 +135,77 @@ Status launch_gather(const detail::GatherArgs& a, const std::int32_t* expanded_t
   p.num_tokens = a.num_tokens;
   p.capacity_rows = a.capacity_rows;
   p.x_perm = static_cast<unsigned char*>(a.x_perm);
-  p.row_vecs = row_bytes / kVecBytes;
+  p.row_vecs = a.hidden * elem / vec_bytes;
   p.zero_fill_padding = a.zero_fill_padding;
-  const bool token_major = expanded_to_permuted != nullptr;
-  auto kernel =
-      token_major ? permute::gather_tokens_kernel<kVecBytes> : permute::gather_rows_kernel<kVecBytes>;
+  return p;
+}
+
+// Row order (no expanded_to_permuted): grid-stride warps over (row, chunk) items.
+template <int kVecBytes>
+Status launch_gather_rows(const detail::GatherArgs& a, Stream stream) {
+  GatherParams p = gather_params(a, nullptr, 0, kVecBytes);
+  auto kernel = permute::gather_rows_kernel<kVecBytes>;
   std::int64_t max_blocks = 0;
   SY_RETURN_IF_ERROR(max_resident_blocks("gather", reinterpret_cast<const void*>(kernel), &max_blocks));
-  const std::int64_t item_rows = token_major ? a.num_tokens : a.capacity_rows;
   const Chunking c =
-      balanced_chunks(p.row_vecs, kWarpSize, permute::kGatherVecsPerLane, item_rows, max_blocks);
+      balanced_chunks(p.row_vecs, kWarpSize, permute::kGatherVecsPerLane, a.capacity_rows, max_blocks);
   p.chunk_vecs = c.chunk_vecs;
   p.chunks_per_row = c.chunks;
-  // Token-major: phase 1 has T x chunks items, phase 2 one per 32 rows.
-  const std::int64_t items =
-      token_major ? std::max(a.num_tokens * c.chunks, (a.capacity_rows + kWarpSize - 1) / kWarpSize)
-                  : a.capacity_rows * c.chunks;
-  return launch("gather", kernel, max_blocks, items, p, stream);
+  return launch("gather", kernel, max_blocks, a.capacity_rows * c.chunks, p, stream);
+}
+
+// Token-major (permute_kernels.cuh, gather_tokens_kernel): one warp per work item, as many
+// blocks as items. Rows are split into the largest chunks (up to kGatherVecsPerLane vectors
+// per lane) that still give every warp slot of the device a copy item, so that small calls
+// spread each row over many SMs and large ones move 4 KB per warp item.
+template <int kVecBytes>
+Status launch_gather_tokens(const detail::GatherArgs& a, const std::int32_t* expanded_to_permuted, int top_k,
+                            Stream stream) {
+  using permute::kTokenBlockThreads;
+  using permute::kTokenWarpsPerBlock;
+  permute::TokenGatherParams tp;
+  tp.g = gather_params(a, expanded_to_permuted, top_k, kVecBytes);
+  GatherParams& p = tp.g;
+  auto kernel = permute::gather_tokens_kernel<kVecBytes>;
+  std::int64_t resident_blocks = 0;
+  SY_RETURN_IF_ERROR(max_resident_blocks("gather", reinterpret_cast<const void*>(kernel), kTokenBlockThreads,
+                                         &resident_blocks));
+  const std::int64_t warp_slots = resident_blocks * kTokenWarpsPerBlock;
+  Chunking c;
+  for (std::int64_t s = permute::kGatherVecsPerLane;; s /= 2) {
+    c = chunk_row(p.row_vecs, kWarpSize, s);
+    if (s <= 1 || a.num_tokens * c.chunks >= warp_slots) break;
+  }
+  if (c.chunks > 65535) return Status::Unsupported("gather: rows of more than 65535 x 256 vectors");
+  p.chunk_vecs = c.chunk_vecs;
+  p.chunks_per_row = c.chunks;
+  tp.copy_blocks = (a.num_tokens + kTokenWarpsPerBlock - 1) / kTokenWarpsPerBlock;
+  tp.fill_groups = (a.capacity_rows + kWarpSize - 1) / kWarpSize;
+  tp.fill_chunks = a.zero_fill_padding ? static_cast<int>(c.chunks) : 1;
+  const std::int64_t fill_blocks_needed = (tp.fill_groups + kTokenWarpsPerBlock - 1) / kTokenWarpsPerBlock;
+  // Split over the y planes unless each plane is a column chunk of every group (zero-fill).
+  const std::int64_t fill_blocks =
+      tp.fill_chunks > 1 ? fill_blocks_needed : (fill_blocks_needed + c.chunks - 1) / c.chunks;
+  // At most one wave of copy items: latency bound, so x is loaded without waiting for the picks.
+  tp.prefetch_x = a.num_tokens * c.chunks <= warp_slots;
+  const std::int64_t grid = tp.copy_blocks + fill_blocks;
+  if (grid > 0x7fffffff) return Status::Unsupported("gather: more than 2^31 - 1 blocks of work");
+  const Status status = launch_kernel(
+      "gather", kernel,
+      dim3(static_cast<unsigned>(std::max<std::int64_t>(1, grid)), static_cast<unsigned>(c.chunks)),
+      dim3(kTokenBlockThreads), 0, stream, /*pdl=*/true, tp);
+  if (!status.ok()) cudaGetLastError();  // the status carries it; do not leave it for a later check
+  return status;
 }
 
 Status gather_any(const detail::GatherArgs& a, const std::int32_t* expanded_to_permuted, int top_k,
                   Stream stream) {
   if (dtype_size(a.dtype) == 0) return Status::Internal("gather: CUDA backend reached with an invalid dtype");
   return dispatch_value<16, 8, 4, 2, 1>("gather: vector bytes", gather_vector_bytes(a), [&](auto vec_bytes) {
-    return launch_gather<decltype(vec_bytes)::value>(a, expanded_to_permuted, top_k, stream);
+    constexpr int kVecBytes = decltype(vec_bytes)::value;
+    return expanded_to_permuted != nullptr
+               ? launch_gather_tokens<kVecBytes>(a, expanded_to_permuted, top_k, stream)
+               : launch_gather_rows<kVecBytes>(a, stream);
   });
 }
 

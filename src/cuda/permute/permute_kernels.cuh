@@ -261,91 +261,194 @@ __global__ void __launch_bounds__(kBlockThreads) gather_rows_kernel(const Gather
 // Token-major gather: the same result as gather_rows_kernel for any input, but each token row
 // is read from memory once and written to all its K rows (bytes moved: T rows read + rows
 // written, against K reads per token in row order).
-//   Phase 1, items (token t, chunk): destinations are the rows r = expanded_to_permuted[t,k]
-//     with r < padded_total and permuted_to_token[r] == t (the check makes it exact even for an
-//     inconsistent layout). Tokens with no destination are never read.
-//   Phase 2, items (32 rows): every row p < padded_total that phase 1 does not write - a
-//     padding row when zero-filling, or a token row that no expanded_to_permuted entry points
-//     to (impossible for a layout made by layout()) - is handled here in row order.
-// The two phases write disjoint rows, so they need no ordering between them.
+//
+// One launch, two kinds of blocks (blockIdx.x < copy_blocks: copy, else fill), one work item
+// per warp and no grid-stride loop: the grid is as large as the work, so the block scheduler
+// balances it, and every warp's work is a short chain of dependent loads that the warps of
+// other blocks overlap. (A grid-stride design of few fat warps, ~100 registers, measured 25%
+// occupancy and 57% of copy bandwidth at H=2048 K=2 T=4096 on the H200.)
+//   Copy items (token t, column chunk): the destinations are the rows
+//     r = expanded_to_permuted[t,k] with r < padded_total and permuted_to_token[r] == t (the
+//     check makes it exact even for an inconsistent layout). Dependent chain: {padded_total,
+//     picks} -> {x chunk, permuted_to_token of the picks} -> stores. A token with no placed
+//     pick is never read, unless prefetch_x (small calls, where latency is all that counts)
+//     issues the x loads together with the picks, taking one round trip off the chain.
+//   Fill items (32 rows, column chunk): every row p < padded_total that the copy items do
+//     not write - a padding row when zero-filling, or a token row that no expanded_to_permuted
+//     entry points to (impossible for a layout made by layout()) - is written here in row
+//     order. Without zero-fill there is one column chunk per group (a layout from layout()
+//     leaves nothing to write); with it, the columns of a group are split like the copy
+//     items', so that zero rows are spread over as many warps as token rows.
+// The two kinds write disjoint rows, so they need no ordering between them.
+constexpr int kTokenBlockThreads = 128;
+constexpr int kTokenWarpsPerBlock = kTokenBlockThreads / kWarpSize;
+// 8 x 128 threads per SM (50% occupancy) caps registers at 64, enough for the 8 x 16 B of a
+// lane's chunk plus addresses; up to 32 warps x 4 KB = 128 KB of loads in flight per SM.
+constexpr int kTokenMinBlocksPerSm = 8;
+// Scales per lane held in registers between the load and the K stores (per-128-column
+// scales of rows up to 8192 columns); further columns are reloaded per destination.
+constexpr int kScalesPerLane = 2;
+
+struct TokenGatherParams {
+  GatherParams g;
+  std::int64_t copy_blocks = 0;  // blocks of copy items (first in the grid)
+  std::int64_t fill_groups = 0;  // ceil(capacity_rows / 32)
+  int fill_chunks = 1;           // column chunks per fill group: 1 or g.chunks_per_row
+  bool prefetch_x = false;       // load x with the picks (see above)
+};
+
+// This lane's vectors [first + 32 j + lane] (j < kGatherVecsPerLane, index < first + n) of the
+// row at `src`; x is read once per token here, so it streams through L2 (evict first).
 template <int kVecBytes>
-__global__ void __launch_bounds__(kBlockThreads) gather_tokens_kernel(const GatherParams p) {
+__device__ __forceinline__ void load_token_chunk(
+    const unsigned char* src_row, int first, int n, int lane,
+    typename VecType<kVecBytes>::type (&buf)[kGatherVecsPerLane]) {
   using V = typename VecType<kVecBytes>::type;
-  const int lane = threadIdx.x % kWarpSize;
-  const std::int64_t warp = global_warp();
-  const std::int64_t warps = num_warps();
+  const V* src = reinterpret_cast<const V*>(src_row) + first;
+#pragma unroll
+  for (int j = 0; j < kGatherVecsPerLane; ++j) {
+    if (j * kWarpSize + lane < n) buf[j] = __ldcs(src + j * kWarpSize + lane);
+  }
+}
+
+template <int kVecBytes>
+__device__ __forceinline__ void store_token_chunk(
+    unsigned char* dst_row, int first, int n, int lane,
+    const typename VecType<kVecBytes>::type (&buf)[kGatherVecsPerLane]) {
+  using V = typename VecType<kVecBytes>::type;
+  V* dst = reinterpret_cast<V*>(dst_row) + first;
+#pragma unroll
+  for (int j = 0; j < kGatherVecsPerLane; ++j) {
+    if (j * kWarpSize + lane < n) dst[j * kWarpSize + lane] = buf[j];
+  }
+}
+
+template <int kVecBytes>
+__device__ __forceinline__ void gather_copy_item(const TokenGatherParams& tp, std::int64_t t, int chunk,
+                                                 int lane) {
+  using V = typename VecType<kVecBytes>::type;
+  const GatherParams& p = tp.g;
+  const int first = chunk * static_cast<int>(p.chunk_vecs);
+  const int n = static_cast<int>(min(p.chunk_vecs, p.row_vecs - first));
+  const unsigned char* src_row = p.x + t * p.x_row_stride_bytes;
+  const int K = p.top_k;
+  const std::int32_t* picks = p.expanded_to_permuted + t * K;
+  const bool scales = chunk == 0 && p.scale_cols > 0;  // warp-uniform
+  const float* src_scales = p.x_scales + t * p.scale_cols;
+  V buf[kGatherVecsPerLane];
+  float scale_buf[kScalesPerLane];
+  auto load = [&]() {
+    load_token_chunk<kVecBytes>(src_row, first, n, lane, buf);
+    if (scales) {
+#pragma unroll
+      for (int i = 0; i < kScalesPerLane; ++i) {
+        const int c = i * kWarpSize + lane;
+        if (c < p.scale_cols) scale_buf[i] = __ldg(src_scales + c);
+      }
+    }
+  };
+
+  pdl_wait();  // the layout and x come from earlier kernels
+  pdl_launch_dependents();
+  if (tp.prefetch_x) load();
+  // padded_total is an int32, so rows and row indices fit in 32 bits here.
+  const int rows = static_cast<int>(clamp_rows(__ldg(p.totals), p.capacity_rows));
+  std::int32_t r = lane < K ? __ldg(picks + lane) : -1;  // lane j looks at pick k0 + j
+  if (!tp.prefetch_x) {
+    // A token with no placed pick is never read (with K > 32, tested on the first 32 only).
+    if (__ballot_sync(0xffffffffu, r >= 0 && r < rows) == 0 && K <= kWarpSize) return;
+    load();
+  }
+  for (int k0 = 0; k0 < K; k0 += kWarpSize) {
+    if (k0 > 0) r = k0 + lane < K ? __ldg(picks + k0 + lane) : -1;
+    const bool dest = r >= 0 && r < rows && __ldg(p.permuted_to_token + r) == t;
+    unsigned mask = __ballot_sync(0xffffffffu, dest);
+    while (mask != 0) {  // destinations in k order
+      const int j = __ffs(mask) - 1;
+      mask &= mask - 1;
+      const std::int64_t dst_row = __shfl_sync(0xffffffffu, r, j);
+      store_token_chunk<kVecBytes>(p.x_perm + dst_row * p.row_vecs * kVecBytes, first, n, lane, buf);
+      if (scales) {
+        float* dst_scales = p.x_perm_scales + dst_row * p.scale_cols;
+#pragma unroll
+        for (int i = 0; i < kScalesPerLane; ++i) {
+          const int c = i * kWarpSize + lane;
+          if (c < p.scale_cols) dst_scales[c] = scale_buf[i];
+        }
+        for (int c = kScalesPerLane * kWarpSize + lane; c < p.scale_cols; c += kWarpSize) {
+          dst_scales[c] = __ldg(src_scales + c);
+        }
+      }
+    }
+  }
+}
+
+template <int kVecBytes>
+__device__ __forceinline__ void gather_fill_item(const TokenGatherParams& tp, std::int64_t group,
+                                                 int first_chunk, int lane) {
+  using V = typename VecType<kVecBytes>::type;
+  const GatherParams& p = tp.g;
+  const std::int64_t row = group * kWarpSize + lane;
   const int K = p.top_k;
   pdl_wait();
   pdl_launch_dependents();
+  // permuted_to_token is loaded together with padded_total (every row < capacity_rows exists).
+  std::int32_t token = row < p.capacity_rows ? __ldg(p.permuted_to_token + row) : -1;
   const std::int64_t rows = clamp_rows(__ldg(p.totals), p.capacity_rows);
-
-  // Phase 1. Lane j checks pick k0 + j of the item's token; the first batch of picks of the
-  // next item is prefetched so that its load overlaps this item's copy.
-  const std::int64_t T = p.num_tokens;
-  ItemWalker it(warp, warps, p.chunks_per_row);
-  std::int32_t pick = it.row < T && lane < K ? __ldg(p.expanded_to_permuted + it.row * K + lane) : -1;
-  while (it.row < T) {
-    const std::int64_t t = it.row;
-    const std::int64_t chunk = it.chunk;
-    it.advance();
-    const std::int32_t next_pick =
-        it.row < T && lane < K ? __ldg(p.expanded_to_permuted + it.row * K + lane) : -1;
-    for (int k0 = 0; k0 < K; k0 += kWarpSize) {
-      std::int64_t r = pick;
-      if (k0 > 0) r = k0 + lane < K ? __ldg(p.expanded_to_permuted + t * K + k0 + lane) : -1;
-      bool dest = r >= 0 && r < rows;
-      if (dest) dest = __ldg(p.permuted_to_token + r) == t;
-      unsigned mask = __ballot_sync(0xffffffffu, dest);
-      if (mask == 0) continue;  // a token with no local pick is never read
-      V buf[kGatherVecsPerLane];
-      load_chunk<kVecBytes>(p, t, chunk, lane, buf);
-      while (mask != 0) {  // destinations in k order
-        const int j = __ffs(mask) - 1;
-        mask &= mask - 1;
-        const std::int64_t dst_row = __shfl_sync(0xffffffffu, r, j);
-        store_chunk<kVecBytes>(p, dst_row, chunk, lane, buf);
-        if (chunk == 0) copy_scales(p, t, dst_row, lane);
-      }
+  if (group * kWarpSize >= rows) return;  // warp-uniform
+  bool todo = false;
+  if (row < rows) {
+    if (token >= 0 && token < p.num_tokens) {
+      const std::int32_t* picks = p.expanded_to_permuted + static_cast<std::int64_t>(token) * K;
+      bool covered = false;
+#pragma unroll 8
+      for (int k = 0; k < K; ++k) covered |= __ldg(picks + k) == row;
+      todo = !covered;
+    } else {
+      token = -1;
+      todo = p.zero_fill_padding;
     }
-    pick = next_pick;
   }
-
-  // Phase 2.
-  const std::int64_t groups = (rows + kWarpSize - 1) / kWarpSize;
-  for (std::int64_t g = warp; g < groups; g += warps) {
-    const std::int64_t row = g * kWarpSize + lane;
-    bool todo = false;
-    std::int32_t token = -1;
-    if (row < rows) {
-      token = __ldg(p.permuted_to_token + row);
-      if (token >= 0 && token < p.num_tokens) {
-        bool covered = false;
-        for (int k = 0; k < K; ++k)
-          covered |= __ldg(p.expanded_to_permuted + static_cast<std::int64_t>(token) * K + k) == row;
-        todo = !covered;
+  unsigned mask = __ballot_sync(0xffffffffu, todo);
+  while (mask != 0) {
+    const int j = __ffs(mask) - 1;
+    mask &= mask - 1;
+    const std::int64_t dst_row = group * kWarpSize + j;
+    const std::int32_t src_token = __shfl_sync(0xffffffffu, token, j);
+    for (std::int64_t chunk = first_chunk; chunk < p.chunks_per_row; chunk += tp.fill_chunks) {
+      V buf[kGatherVecsPerLane];
+      if (src_token >= 0) {
+        load_chunk<kVecBytes>(p, src_token, chunk, lane, buf);
       } else {
-        token = -1;
-        todo = p.zero_fill_padding;
-      }
-    }
-    unsigned mask = __ballot_sync(0xffffffffu, todo);
-    while (mask != 0) {
-      const int j = __ffs(mask) - 1;
-      mask &= mask - 1;
-      const std::int64_t dst_row = g * kWarpSize + j;
-      const std::int64_t src_token = __shfl_sync(0xffffffffu, token, j);
-      for (std::int64_t chunk = 0; chunk < p.chunks_per_row; ++chunk) {
-        V buf[kGatherVecsPerLane];
-        if (src_token >= 0) {
-          load_chunk<kVecBytes>(p, src_token, chunk, lane, buf);
-        } else {
 #pragma unroll
-          for (int i = 0; i < kGatherVecsPerLane; ++i) buf[i] = V{};
-        }
-        store_chunk<kVecBytes>(p, dst_row, chunk, lane, buf);
+        for (int i = 0; i < kGatherVecsPerLane; ++i) buf[i] = V{};
       }
-      copy_scales(p, src_token, dst_row, lane);
+      store_chunk<kVecBytes>(p, dst_row, chunk, lane, buf);
     }
+    if (first_chunk == 0) copy_scales(p, src_token, dst_row, lane);
+  }
+}
+
+// Grid: x = copy_blocks blocks of kTokenWarpsPerBlock tokens, then the fill blocks; y = the
+// column chunk of a copy item. Fill blocks use y as their column chunk when zero-filling
+// (fill_chunks = chunks_per_row); otherwise (fill_chunks = 1) as more groups, so that no block
+// of the y planes is empty.
+template <int kVecBytes>
+__global__ void __launch_bounds__(kTokenBlockThreads, kTokenMinBlocksPerSm)
+    gather_tokens_kernel(const TokenGatherParams tp) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp_in_block = threadIdx.x / kWarpSize;
+  const std::int64_t block = blockIdx.x;
+  if (block < tp.copy_blocks) {
+    const std::int64_t t = block * kTokenWarpsPerBlock + warp_in_block;
+    if (t < tp.g.num_tokens) gather_copy_item<kVecBytes>(tp, t, static_cast<int>(blockIdx.y), lane);
+  } else {
+    const bool split_columns = tp.fill_chunks > 1;
+    const std::int64_t fill_block =
+        split_columns ? block - tp.copy_blocks : (block - tp.copy_blocks) * gridDim.y + blockIdx.y;
+    const std::int64_t group = fill_block * kTokenWarpsPerBlock + warp_in_block;
+    const int chunk = split_columns ? static_cast<int>(blockIdx.y) : 0;
+    if (group < tp.fill_groups) gather_fill_item<kVecBytes>(tp, group, chunk, lane);
   }
 }
 

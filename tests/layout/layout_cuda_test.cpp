@@ -471,10 +471,10 @@ TEST(LayoutCuda, SecondaryAxesCrossProduct) {
   }
 }
 
-// Pick counts at and around every path boundary (the lean one-kernel path up to 32768 picks in
-// steps of 512, 2048, 8192, 16384 picks per block; the sorting one-kernel path up to 4096 picks
-// when L is too large for the lean one; chunks of 512 up to 131072, chunks of 4096 above), chunk
-// boundaries, and L around the lean path's shared-memory limit.
+// Pick counts at and around every path boundary (the one-block path up to 4096 picks in steps of
+// 512 and 2048; the 8-block cluster path up to 12288 picks; the
+// sorting one-kernel path up to 4096 picks when L is too large for those; chunks of 512 up to
+// 131072, chunks of 4096 above), chunk boundaries, and L around the shared-memory limits.
 TEST(LayoutCuda, PathBoundaries) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
@@ -485,13 +485,15 @@ TEST(LayoutCuda, PathBoundaries) {
       {4097, 1},  {512, 8},  {513, 8},   {5120, 1},  {16384, 8}, {131073, 1}, {16385, 8},
       {65535, 2}, {1, 32},   {128, 32},  {129, 32},  {4095, 32}, {512, 1},    {513, 1},
       {8192, 1},  {8193, 1}, {16384, 1}, {16385, 1}, {1024, 8},  {1025, 8},   {2048, 8},
-      {2049, 8},  {33, 16},  {4096, 8},  {4097, 8},  {32768, 1}, {32769, 1},  {33281, 1}};
+      {2049, 8},  {33, 16},  {4096, 8},  {4097, 8},  {32768, 1}, {32769, 1},  {33281, 1},
+      {8192, 8},  {8193, 8}, {65536, 1}, {65537, 1}, {4103, 1},  {6000, 3}};
   for (const auto& [T, K] : shapes) {
     check_case(random_case(T, 256, K, g), g());
     if (HasFatalFailure()) return;
   }
-  // The lean path holds 18 * L + 1 int32 of shared memory, at most 160 KB: L <= 2275.
-  for (const int E : {2275, 2276}) {
+  // The one-block path holds 18 * L + 1 int32 of shared memory, at most 160 KB: L <= 2275; the
+  // cluster path 20 * L + 2: L <= 2047.
+  for (const int E : {2047, 2048, 2275, 2276}) {
     for (const std::int64_t T : {3, 600, 2048, 4000}) {
       Case c = random_case(T, E, 8, g);
       c.local = LocalKind::kAll;

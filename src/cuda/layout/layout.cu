@@ -11,6 +11,7 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
 #include "cuda/layout/lean_layout_kernel.cuh"
+#include "cuda/layout/one_launch_layout_kernel.cuh"
 #include "cuda/layout/route_layout_kernel.cuh"
 
 namespace switchyard::cuda {
@@ -19,9 +20,20 @@ namespace {
 
 using layout_detail::LayoutParams;
 
-// Path selection, by the number of picks N = T*K: the lean kernel (lean_layout_kernel.cuh) when
-// N <= kLeanMaxPicks and its shared histogram fits (L <= 2275); else the sorting kernel up to
-// kSmallMaxPicks, then the chunked pipeline.
+// Path selection, by the number of picks N = T*K (one_launch_layout_kernel.cuh while its shared
+// memory fits, L <= 2275 for one block and L <= 2047 for the cluster):
+//   N <= kOneBlockMaxPicks:   one_block_layout_kernel, one launch, every block ranks all picks;
+//   N <= kClusterMaxPicks:    cluster_layout_kernel, one launch of one 8-block cluster;
+//   else (or L too large):    the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
+constexpr long long kOneBlockMaxPicks = 4096;
+// Measured on the H200 (E=256 K=8 M=128): the cluster kernel takes 7.7 us at N = 8192 (chunked
+// pipeline: 9.6) but 16.7 / 28.7 us at N = 32768 / 65536 (chunked: 11.7 / 12.2): each SM then
+// ranks 4096+ picks and scatters their rows uncoalesced; so it serves N <= 12288 only.
+constexpr long long kClusterMaxPicks = 12288;
+// One-block path: blocks split the writes, about this many rows (of the row capacity) each; each
+// one repeats the (short, parallel) ranking of all N <= 4096 picks, reading the ids from L2.
+constexpr long long kRowsPerOneBlock = 2048;
+constexpr long long kMaxOneBlocks = 132;
 constexpr long long kSmallMaxPicks = 4096;     // one kernel, every block sorts all picks
 constexpr long long kMediumMaxPicks = 131072;  // three kernels, chunks of kMediumChunk picks
 // Chunks of 512 picks: N = 32768..131072 (where the lean path does not take it) gives 64..256
@@ -38,13 +50,10 @@ constexpr int kLargeChunk = kLargeThreads * kLargeItems;  // 4096
 constexpr long long kRowsPerSmallBlock = 2048;
 constexpr long long kMaxSmallBlocks = 128;
 
-// Lean path (lean_layout_kernel.cuh): N <= kLeanMaxPicks picks and L small enough for its shared
-// histogram. Blocks split the writes, about kRowsPerLeanBlock output rows each; each one repeats
-// the (short, parallel) counting of all picks.
-// Measured on the H200 (E=256 K=8 M=128): the lean kernel takes 4.1 / 7.4 us at T = 1 / 256
-// but 17 / 58 us at T = 1024 / 4096 (one block ranks all picks serially), where the chunked
-// pipeline takes ~12 us; so it serves N <= 4096 only.
-constexpr long long kLeanMaxPicks = 4096;
+// Lean kernel (lean_layout_kernel.cuh), now only inside the fused route_and_layout kernel: blocks
+// split the writes, about kRowsPerLeanBlock output rows each.
+// Measured on the H200 (E=256 K=8 M=128) before the one-launch kernels: the lean layout took
+// 4.0 / 7.4 us at T = 1 / 256 and 17 / 58 us at T = 1024 / 4096.
 constexpr long long kRowsPerLeanBlock = 4096;
 constexpr long long kMaxLeanBlocks = 132;
 
@@ -158,31 +167,53 @@ Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
       layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
-bool lean_fits(const LayoutParams& p) {
-  return p.num_picks <= kLeanMaxPicks &&
-         layout_detail::lean_smem_bytes(p.num_local) <= layout_detail::kLeanMaxSmem;
-}
-
 long long lean_blocks(const LayoutParams& p) {
   const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
   return std::clamp<long long>(ceil_div(rows, kRowsPerLeanBlock), 1, kMaxLeanBlocks);
 }
 
+bool one_block_fits(const LayoutParams& p) {
+  return p.num_picks <= kOneBlockMaxPicks &&
+         layout_detail::one_launch_smem_bytes(p.num_local, false) <= layout_detail::kOneMaxSmem;
+}
+
+bool cluster_fits(const LayoutParams& p) {
+  return p.num_picks <= kClusterMaxPicks &&
+         layout_detail::one_launch_smem_bytes(p.num_local, true) <= layout_detail::kOneMaxSmem;
+}
+
 template <int ITEMS, typename Id>
-Status launch_lean_config(const LayoutParams& p, cudaStream_t stream) {
-  return launch<layout_detail::lean_layout_kernel<ITEMS, Id>>(
-      "layout: lean_layout_kernel", dim3(static_cast<unsigned>(lean_blocks(p))),
-      dim3(layout_detail::kLeanThreads), layout_detail::lean_smem_bytes(p.num_local), stream, p);
+Status launch_one_block_config(const LayoutParams& p, cudaStream_t stream) {
+  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
+  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
+  return launch<layout_detail::one_block_layout_kernel<ITEMS, Id>>(
+      "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
+      dim3(layout_detail::kOneThreads), layout_detail::one_launch_smem_bytes(p.num_local, false), stream, p);
+}
+
+// ITEMS = groups of 32 picks per warp: a block ranks N (one block) or N / 8 (cluster) picks.
+template <typename Id>
+Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
+  constexpr int kThreads = layout_detail::kOneThreads;
+  if (p.num_picks <= kThreads * 1) return launch_one_block_config<1, Id>(p, stream);
+  if (p.num_picks <= kThreads * 4) return launch_one_block_config<4, Id>(p, stream);
+  return launch_one_block_config<8, Id>(p, stream);
+}
+
+template <int ITEMS, typename Id>
+Status launch_cluster_config(const LayoutParams& p, cudaStream_t stream) {
+  return launch<layout_detail::cluster_layout_kernel<ITEMS, Id>>(
+      "layout: cluster_layout_kernel", dim3(layout_detail::kClusterBlocks), dim3(layout_detail::kOneThreads),
+      layout_detail::one_launch_smem_bytes(p.num_local, true), stream, p);
 }
 
 template <typename Id>
-Status launch_lean(const LayoutParams& p, cudaStream_t stream) {
-  constexpr int kThreads = layout_detail::kLeanThreads;
-  if (p.num_picks <= kThreads * 1) return launch_lean_config<1, Id>(p, stream);
-  if (p.num_picks <= kThreads * 4) return launch_lean_config<4, Id>(p, stream);
-  if (p.num_picks <= kThreads * 16) return launch_lean_config<16, Id>(p, stream);
-  if (p.num_picks <= kThreads * 32) return launch_lean_config<32, Id>(p, stream);
-  return launch_lean_config<64, Id>(p, stream);
+Status launch_cluster(const LayoutParams& p, cudaStream_t stream) {
+  // Chunks of at most kClusterMaxPicks / 8 picks: 4 groups of 32 per warp.
+  static_assert(
+      (kClusterMaxPicks / layout_detail::kClusterBlocks + 31) / 32 * 32 <= layout_detail::kOneThreads * 4,
+      "the cluster kernel's chunk must fit ITEMS = 4");
+  return launch_cluster_config<4, Id>(p, stream);
 }
 
 template <typename Id>
@@ -217,7 +248,8 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
 template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   const LayoutParams p = make_params(a);
-  if (lean_fits(p)) return launch_lean<Id>(p, stream);
+  if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
+  if (cluster_fits(p)) return launch_cluster<Id>(p, stream);
   if (p.num_picks <= kSmallMaxPicks) return launch_small<Id>(p, stream);
   if (p.num_picks <= kMediumMaxPicks) return launch_chunked<kMediumThreads, kMediumItems, Id>(p, a, stream);
   return launch_chunked<kLargeThreads, kLargeItems, Id>(p, a, stream);

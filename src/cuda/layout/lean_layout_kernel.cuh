@@ -2,11 +2,11 @@
 // in ONE block, with no block-wide sort and no per-row search.
 //
 //  1. Each of the 16 warps takes a contiguous run of 32-pick groups in x order. Per group,
-//     __match_any_sync gives the lanes with the same key (local expert, or L = not placed); a
-//     pick's position in its warp's run of its expert is hist[w][key] (the warp's earlier picks of
-//     that expert) + its rank among the group's lanes of that key (lower lanes first, so ascending
-//     x); the group leader then adds the group's count to hist[w][key]. Only warp w touches row w
-//     of hist, so no atomics: the result does not depend on timing.
+//     match_key (one ballot per key bit) gives the lanes with the same key (local expert, or L = not placed);
+//     a pick's position in its warp's run of its expert is hist[w][key] (the warp's earlier picks of that
+//     expert) + its rank among the group's lanes of that key (lower lanes first, so ascending x); the group
+//     leader then adds the group's count to hist[w][key]. Only warp w touches row w of hist, so no atomics:
+//     the result does not depend on timing.
 //  2. Per expert l (threads over l): counts[l] = sum over w of hist[w][l], in w order, turning
 //     hist[w][l] into its exclusive prefix over w; one BlockScan of pad(counts) gives offsets;
 //     hist[w][l] += offsets[l], so a pick's row is hist[w][key] + its position.
@@ -60,6 +60,19 @@ struct SharedIdSource {
   const int* ids;
   __device__ __forceinline__ long long operator()(int x) const { return ids[x]; }
 };
+
+// The lanes of the warp whose key equals this lane's, for keys below 2^bits: one ballot per key
+// bit (the multisplit of CUB's MatchAny<LABEL_BITS>, with a runtime bit count) instead of
+// __match_any_sync, whose cost grows with the number of distinct keys among the 32 lanes.
+__device__ __forceinline__ unsigned match_key(int key, int bits) {
+  unsigned same = 0xffffffffu;
+  for (int b = 0; b < bits; ++b) {
+    const bool one = ((key >> b) & 1) != 0;
+    const unsigned ones = __ballot_sync(0xffffffffu, one);
+    same &= one ? ones : ~ones;
+  }
+  return same;
+}
 
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
@@ -117,7 +130,7 @@ __device__ __forceinline__ void lean_layout_block(const LayoutParams& p, Source 
   for (int i = 0; i < ITEMS; ++i) {
     if (i < per_warp) {  // warp-uniform
       const int key = packed[i] >> 16;
-      const unsigned same = __match_any_sync(0xffffffffu, key);
+      const unsigned same = match_key(key, p.key_bits);
       const int rank = __popc(same & lt);
       int base = 0;
       if (key < L) base = my_hist[key];

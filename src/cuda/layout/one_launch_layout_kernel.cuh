@@ -1,0 +1,306 @@
+// One-launch layout for small and medium N = T*K (DESIGN.md section 3): a stable counting sort
+// with per-warp ranks (as in lean_layout_kernel.cuh), shaped so that the critical path after
+// pdl_wait() is short: ids -> ranks -> counts -> one scan -> writes, with no per-expert fill pass
+// behind the scan.
+//
+//  * Rows and tiles that are not real rows/tiles are written FIRST, right after pdl_wait(), before
+//    anything is known: block g fills its slice [r0, r1) of the rows with the sentinels (T*K, T)
+//    and its slice [t0, t1) of the tiles with the past-the-end values (-1, t*M), while its id loads
+//    are in flight. The real rows and tiles are then written over them; a barrier between the two
+//    writes (__syncthreads in one block, the cluster barrier across blocks) orders them, so the
+//    later value is the one that stays. Padding rows need no pass of their own: they keep the
+//    sentinel.
+//  * Tiles t < num_tiles find their expert by a binary search over offsets in shared memory
+//    (log2 L steps) instead of a per-expert loop.
+//
+// Two forms of the same code:
+//  * one_block_layout_kernel (N <= a few thousand): every block ranks ALL picks (short and
+//    parallel) and writes only its slices: rows [r0, r1) (sentinels, then the real rows that fall
+//    there), tiles, picks x (expanded_to_permuted) and experts (counts, offsets). No block waits
+//    for another.
+//  * cluster_layout_kernel (medium N): ONE thread-block cluster of kClusterBlocks blocks; block b
+//    ranks chunk b of the picks (contiguous in x). Each block publishes its per-expert counts in
+//    shared memory; after a cluster barrier every block reads all of them through distributed
+//    shared memory (before[l] = picks of l in earlier chunks, counts[l] = the sum), scans the
+//    padded counts itself, and writes the rows of its own picks. Blocks exit only after every
+//    block has read their counts (second cluster barrier, split arrive/wait).
+//
+// Deterministic: the only atomics add up the dropped count (a sum, order-free); ranks come from
+// ballots within 32 picks (match_key) and per-warp running counts owned by one warp.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/common/launch.cuh"
+#include "cuda/layout/layout_kernels.cuh"
+#include "cuda/layout/lean_layout_kernel.cuh"
+
+namespace switchyard::cuda::layout_detail {
+
+constexpr int kOneThreads = 512;
+constexpr int kOneWarps = kOneThreads / 32;
+static_assert(kOneWarps % 4 == 0, "the histogram is zeroed with 16-byte stores");
+constexpr int kClusterBlocks = 8;  // portable cluster size: always schedulable on sm_90
+constexpr std::size_t kOneMaxSmem = 160 * 1024;
+
+// Dynamic shared memory (int32): hist[kOneWarps][L], offs[L + 1], ends[L]; the cluster form adds
+// base[L] (row of the block's first pick of l) and block_counts[L + 1] ([L] = dropped ids).
+__host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster) {
+  return (static_cast<std::size_t>(kOneWarps + 2 + (cluster ? 2 : 0)) * L + 1 + (cluster ? 1 : 0)) * 4;
+}
+
+// part_range in 32-bit arithmetic (n < 2^31 and parts <= 2^10, so per * parts < 2^32): the 64-bit
+// divisions cost ~70 instructions each on every warp of a kernel that is issue-bound.
+__device__ __forceinline__ void part_range32(int n, int part, int parts, int& begin, int& end) {
+  const std::uint32_t per = (static_cast<std::uint32_t>(n) + parts - 1) / static_cast<std::uint32_t>(parts);
+  begin = static_cast<int>(min(static_cast<std::uint32_t>(n), per * part));
+  end = static_cast<int>(min(static_cast<std::uint32_t>(n), per * (part + 1)));
+}
+
+struct OneShared {
+  cub::BlockScan<int, kOneThreads>::TempStorage scan;
+  int dropped;
+};
+
+// pad(c) in 32-bit arithmetic: c < 2^31 and M < 2^31, so c + M - 1 < 2^32; the result is below
+// 2^31 for every shape the API admits (max_permuted_rows bound).
+__device__ __forceinline__ int padded_count32(int c, std::uint32_t m) {
+  return static_cast<int>((static_cast<std::uint32_t>(c) + m - 1) / m * m);
+}
+
+// The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
+// before pdl_wait(). In the cluster form gridDim.x == kClusterBlocks (one cluster).
+template <int ITEMS, bool kCluster, typename Id>
+__device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
+  const int L = p.num_local;
+  const int N = p.num_picks;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int block = static_cast<int>(blockIdx.x);
+  const int blocks = static_cast<int>(gridDim.x);
+  int* hist = dyn;                                 // [kOneWarps][L]
+  int* offs = hist + kOneWarps * L;                // [L + 1]
+  int* ends = offs + L + 1;                        // [L]
+  int* base = kCluster ? ends + L : offs;          // [L]
+  int* block_counts = kCluster ? base + L : ends;  // [L + 1] (cluster form only)
+
+  // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
+  for (int i = tid; i < kOneWarps / 4 * L; i += kOneThreads)
+    reinterpret_cast<int4*>(hist)[i] = int4{0, 0, 0, 0};
+  if (tid == 0) sh.dropped = 0;
+  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
+  pdl_wait();
+
+  // The picks this block ranks: all of them, or chunk `block` (a multiple of 32 picks long).
+  int c0 = 0;
+  int c1 = N;
+  if constexpr (kCluster) {
+    const int chunk = (ceil_div_int(N, kClusterBlocks) + 31) & ~31;
+    c0 = min(N, block * chunk);
+    c1 = min(N, c0 + chunk);
+  }
+  // Groups of 32 picks: warp w owns groups [w * per_warp, (w + 1) * per_warp) of the chunk.
+  const int groups = (c1 - c0 + 31) >> 5;
+  const int per_warp = (groups + kOneWarps - 1) / kOneWarps;  // <= ITEMS
+  const int group0 = warp * per_warp;
+  const Id* ids = static_cast<const Id*>(p.topk_ids);
+  Id raw[ITEMS];
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int x = c0 + (group0 + j) * 32 + lane;
+    raw[j] = (j < per_warp && x < c1) ? ids[x] : Id(-1);
+  }
+
+  // While the ids load: this block's slices of the rows and tiles get the values of "not a real
+  // row / tile"; the real ones are written over them after a barrier.
+  const int pad_expanded = N;
+  const int pad_token = p.num_tokens;
+  const int M = p.tile_size;
+  int r0, r1, t0, t1;
+  part_range32(p.capacity_rows, block, blocks, r0, r1);
+  part_range32(p.capacity_tiles, block, blocks, t0, t1);
+  for (int r = r0 + tid; r < r1; r += kOneThreads) {
+    p.permuted_to_expanded[r] = pad_expanded;
+    p.permuted_to_token[r] = pad_token;
+  }
+  for (int t = t0 + tid; t < t1; t += kOneThreads) {
+    p.tile_expert[t] = -1;
+    p.tile_row_end[t] = static_cast<int>(static_cast<long long>(t) * M);
+  }
+
+  int dropped = 0;
+  int packed[ITEMS];  // key << 16 | position of the pick in its warp's run of its expert
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) packed[j] = local_key(static_cast<long long>(raw[j]), p, dropped) << 16;
+  __syncthreads();  // hist zeroed
+
+  // 1. Per-warp ranks (only warp w touches hist[w]: no atomics, no timing dependence).
+  int* my_hist = hist + warp * L;
+  const unsigned lt = lanemask_lt();
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    if (j < per_warp) {  // warp-uniform
+      const int key = packed[j] >> 16;
+      const unsigned same = match_key(key, p.key_bits);
+      const int rank = __popc(same & lt);
+      int run = 0;
+      if (key < L) run = my_hist[key];
+      __syncwarp();
+      if (key < L && rank == 0) my_hist[key] = run + __popc(same);
+      __syncwarp();
+      packed[j] |= run + rank;
+    }
+  }
+  dropped = __reduce_add_sync(0xffffffffu, dropped);
+  if (lane == 0 && dropped != 0) atomicAdd(&sh.dropped, dropped);  // a sum: order does not matter
+  __syncthreads();                                                 // hist complete
+
+  // 2. Per expert (thread t owns experts [e_begin, e_end)): hist[w][l] -> its exclusive prefix
+  //    over w; the block's count of l.
+  const int per_thread = (L + kOneThreads - 1) / kOneThreads;
+  const int e_begin = min(L, tid * per_thread);
+  const int e_end = min(L, e_begin + per_thread);
+  for (int l = e_begin; l < e_end; ++l) {
+    int v[kOneWarps];  // all loads before any store (the compiler cannot tell the rows apart)
+#pragma unroll
+    for (int w = 0; w < kOneWarps; ++w) v[w] = hist[w * L + l];
+    int c = 0;
+#pragma unroll
+    for (int w = 0; w < kOneWarps; ++w) {
+      hist[w * L + l] = c;
+      c += v[w];
+    }
+    block_counts[l] = c;  // one block: ends[l] holds the count until the scan
+  }
+  int dropped_total = 0;
+  namespace cg = cooperative_groups;
+  if constexpr (kCluster) {
+    if (tid == 0) block_counts[L] = sh.dropped;
+    cg::this_cluster().sync();  // every block's counts are published; every row fill is done
+    // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks.
+    const int* remote[kClusterBlocks];
+#pragma unroll
+    for (int b = 0; b < kClusterBlocks; ++b) remote[b] = cg::this_cluster().map_shared_rank(block_counts, b);
+    for (int l = e_begin; l < e_end; ++l) {
+      int v[kClusterBlocks];
+#pragma unroll
+      for (int b = 0; b < kClusterBlocks; ++b) v[b] = remote[b][l];
+      int before = 0;
+      int c = 0;
+#pragma unroll
+      for (int b = 0; b < kClusterBlocks; ++b) {
+        before += b < block ? v[b] : 0;
+        c += v[b];
+      }
+      base[l] = before;
+      ends[l] = c;
+    }
+    if (block == 0 && tid == 0) {
+#pragma unroll
+      for (int b = 0; b < kClusterBlocks; ++b) dropped_total += remote[b][L];
+    }
+  } else {
+    dropped_total = sh.dropped;
+  }
+
+  // 3. Offsets: one scan of the padded counts.
+  const std::uint32_t Mu = static_cast<std::uint32_t>(M);
+  int run_sum = 0;
+  for (int l = e_begin; l < e_end; ++l) run_sum += padded_count32(ends[l], Mu);
+  int prefix, padded_total;
+  cub::BlockScan<int, kOneThreads>(sh.scan).ExclusiveSum(run_sum, prefix, padded_total);
+  int l0, l1;  // this block's slice of experts (counts, offsets)
+  part_range32(L, block, blocks, l0, l1);
+  for (int l = e_begin; l < e_end; ++l) {
+    const int c = ends[l];
+    offs[l] = prefix;
+    ends[l] = prefix + c;
+    if constexpr (kCluster) base[l] += prefix;
+    if (l >= l0 && l < l1) {
+      p.counts[l] = c;
+      p.offsets[l] = prefix;
+    }
+    prefix += padded_count32(c, Mu);
+  }
+  if (tid == 0) {
+    offs[L] = padded_total;
+    if (block == 0) {
+      p.offsets[L] = padded_total;
+      p.totals[0] = padded_total;
+      p.totals[1] = padded_total / M;
+      p.totals[2] = dropped_total;
+    }
+  }
+  // The cluster form is done reading the other blocks' shared memory; they may exit once every
+  // thread has arrived (the wait is at the very end).
+  if constexpr (kCluster) __cluster_barrier_arrive();
+  __syncthreads();  // offs, ends, base complete; this block's fills are ordered before what follows
+
+  // 4a. The real rows (the one-block form: those in its row slice; it ranked every pick) and
+  //     expanded_to_permuted (the one-block form: its x slice).
+  int x0 = c0;
+  int x1 = c1;
+  if constexpr (!kCluster) part_range32(N, block, blocks, x0, x1);
+  const int K = p.top_k;
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int x = c0 + (group0 + j) * 32 + lane;
+    if (j < per_warp && x < c1) {
+      const int key = packed[j] >> 16;
+      int row = -1;
+      if (key < L) {
+        row = base[key] + my_hist[key] + (packed[j] & 0xffff);
+        if (kCluster || (row >= r0 && row < r1)) {
+          p.permuted_to_expanded[row] = x;
+          p.permuted_to_token[row] = x / K;
+        }
+      }
+      if (x >= x0 && x < x1) p.expanded_to_permuted[x] = row;
+    }
+  }
+
+  // 4b. The real tiles of this block's tile slice: the expert whose rows hold row t*M is the last
+  //     l with offs[l] <= t*M (empty experts before it share its offset; t*M < offs[L]).
+  const int tile_end = min(t1, padded_total / M);
+  for (int t = t0 + tid; t < tile_end; t += kOneThreads) {
+    const int row = t * M;  // < padded_total
+    int lo = 0;
+    int hi = L;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (offs[mid] <= row) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    p.tile_expert[t] = lo;
+    p.tile_row_end[t] =
+        static_cast<int>(min(static_cast<long long>(row) + M, static_cast<long long>(ends[lo])));
+  }
+
+  if constexpr (kCluster) __cluster_barrier_wait();  // our shared memory may go now
+}
+
+template <int ITEMS, typename Id>
+__global__ void __launch_bounds__(kOneThreads, 1) one_block_layout_kernel(const LayoutParams p) {
+  __shared__ OneShared sh;
+  extern __shared__ __align__(16) int one_dyn[];
+  one_launch_layout<ITEMS, false, Id>(p, sh, one_dyn);
+}
+
+template <int ITEMS, typename Id>
+__global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kOneThreads, 1)
+    cluster_layout_kernel(const LayoutParams p) {
+  __shared__ OneShared sh;
+  extern __shared__ __align__(16) int one_dyn[];
+  one_launch_layout<ITEMS, true, Id>(p, sh, one_dyn);
+}
+
+}  // namespace switchyard::cuda::layout_detail

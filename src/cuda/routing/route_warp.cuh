@@ -368,6 +368,25 @@ __device__ __forceinline__ float div_by(float a, float b, float y) {
   return div_fast(a, b, y);
 }
 
+// The softmax denominator of a row from each lane's NA partial sums (accumulator a holds
+// partial W*a + l): the canonical butterfly's steps >= W inside the lane, then those < W
+// across the segment, in the oracle's order.
+template <int W, int NA>
+__device__ __forceinline__ float softmax_row_sum(float (&acc)[NA]) {
+#pragma unroll
+  for (int h = NA / 2; h >= 1; h /= 2) {
+    float next[NA];
+#pragma unroll
+    for (int a = 0; a < NA; ++a) next[a] = __fadd_rn(acc[a], acc[a ^ h]);
+#pragma unroll
+    for (int a = 0; a < NA; ++a) acc[a] = next[a];
+  }
+  float sum = acc[0];
+#pragma unroll
+  for (int off = W / 2; off >= 1; off /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, off));
+  return sum;
+}
+
 // Softmax constants of one row: p = exp(s - m) / sum for finite s.
 struct SoftmaxRow {
   float m, sum, rcp;
@@ -718,19 +737,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
           acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], e);
         }
       }
-#pragma unroll
-      for (int h = NA / 2; h >= 1; h /= 2) {
-        float next[NA];
-#pragma unroll
-        for (int a = 0; a < NA; ++a) next[a] = __fadd_rn(acc[a], acc[a ^ h]);
-#pragma unroll
-        for (int a = 0; a < NA; ++a) acc[a] = next[a];
-      }
-      float sum = acc[0];
-#pragma unroll
-      for (int off = W / 2; off >= 1; off /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, off));
-      sm.sum = sum;
-      sm.rcp = __frcp_rn(sum);
+      sm.sum = softmax_row_sum<W>(acc);
+      sm.rcp = __frcp_rn(sm.sum);
       // p >= 2^-76 > 0 here, so canonical_key(p) is p's bits with the sign bit set. Absent
       // experts get key 0 below.
 #pragma unroll
@@ -776,20 +784,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
         acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? v[j] : 0.0f);
       }
     }
-    // Butterfly steps >= W inside the lane (accumulator a holds partial W*a + l), then < W.
-#pragma unroll
-    for (int h = NA / 2; h >= 1; h /= 2) {
-      float next[NA];
-#pragma unroll
-      for (int a = 0; a < NA; ++a) next[a] = __fadd_rn(acc[a], acc[a ^ h]);
-#pragma unroll
-      for (int a = 0; a < NA; ++a) acc[a] = next[a];
-    }
-    float sum = acc[0];
-#pragma unroll
-    for (int off = W / 2; off >= 1; off /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, off));
-    sm.sum = sum;
-    sm.rcp = __frcp_rn(sum);
+    sm.sum = softmax_row_sum<W>(acc);
+    sm.rcp = __frcp_rn(sm.sum);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "common/routing_names.h"
 #include "common/test_data.h"
 #include "switchyard/switchyard.h"
 
@@ -83,45 +84,9 @@ double fp16_value(std::uint16_t h) {
 // Position of a bf16 value on the number line, for ulp distances.
 int bf16_key(std::uint16_t h) { return (h & 0x8000) ? -static_cast<int>(h & 0x7fff) : static_cast<int>(h); }
 
-const char* pre_name(PreFn f) {
-  switch (f) {
-    case PreFn::kNone:
-      return "none";
-    case PreFn::kSoftmax:
-      return "softmax";
-    case PreFn::kSigmoid:
-      return "sigmoid";
-    case PreFn::kSqrtSoftplus:
-      return "sqrtsoftplus";
-  }
-  return "?";
-}
-const char* post_name(PostFn f) {
-  switch (f) {
-    case PostFn::kNone:
-      return "none";
-    case PostFn::kSoftmax:
-      return "softmax";
-    case PostFn::kSigmoid:
-      return "sigmoid";
-    case PostFn::kNormalize:
-      return "normalize";
-  }
-  return "?";
-}
-const char* rule_name(GroupRule r) {
-  switch (r) {
-    case GroupRule::kNone:
-      return "none";
-    case GroupRule::kTop2Sum:
-      return "top2_sum";
-    case GroupRule::kMax:
-      return "max";
-    case GroupRule::kTopKSum:
-      return "topk_sum";
-  }
-  return "?";
-}
+using sy_test::post_name;
+using sy_test::pre_name;
+using sy_test::rule_name;
 
 // ---------------------------------------------------------------------------------------------
 // Host buffers of any dtype, with poison and element decode.

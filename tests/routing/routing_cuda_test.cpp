@@ -21,6 +21,7 @@
 
 #include "common/cuda_test_util.h"
 #include "common/numeric.h"
+#include "common/routing_names.h"
 #include "common/test_data.h"
 #include "switchyard/switchyard.h"
 
@@ -58,18 +59,9 @@ const char* kind_name(Kind k) {
   return "?";
 }
 
-const char* pre_name(PreFn f) {
-  const char* n[] = {"none", "softmax", "sigmoid", "sqrtsoftplus"};
-  return n[static_cast<int>(f)];
-}
-const char* post_name(PostFn f) {
-  const char* n[] = {"none", "softmax", "sigmoid", "normalize"};
-  return n[static_cast<int>(f)];
-}
-const char* rule_name(GroupRule r) {
-  const char* n[] = {"none", "top2_sum", "max", "topk_sum"};
-  return n[static_cast<int>(r)];
-}
+using sy_test::post_name;
+using sy_test::pre_name;
+using sy_test::rule_name;
 
 struct Case {
   RoutingConfig config;

@@ -212,13 +212,18 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   // 3. Offsets: one scan of the padded counts.
   const std::uint32_t Mu = static_cast<std::uint32_t>(M);
   int run_sum = 0;
-  for (int l = e_begin; l < e_end; ++l) run_sum += padded_count32(ends[l], Mu);
+  for (int l = e_begin; l < e_end; ++l) {
+    const int padded = padded_count32(ends[l], Mu);
+    offs[l] = padded;  // kept for the second pass (one division per expert)
+    run_sum += padded;
+  }
   int prefix, padded_total;
   cub::BlockScan<int, kOneThreads>(sh.scan).ExclusiveSum(run_sum, prefix, padded_total);
   int l0, l1;  // this block's slice of experts (counts, offsets)
   part_range32(L, block, blocks, l0, l1);
   for (int l = e_begin; l < e_end; ++l) {
     const int c = ends[l];
+    const int padded = offs[l];
     offs[l] = prefix;
     ends[l] = prefix + c;
     if constexpr (kCluster) base[l] += prefix;
@@ -226,7 +231,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       p.counts[l] = c;
       p.offsets[l] = prefix;
     }
-    prefix += padded_count32(c, Mu);
+    prefix += padded;
   }
   if (tid == 0) {
     offs[L] = padded_total;
@@ -247,7 +252,9 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int x0 = c0;
   int x1 = c1;
   if constexpr (!kCluster) part_range32(N, block, blocks, x0, x1);
-  const int K = p.top_k;
+  // t = x / K as a multiply-high: exact for x * K < 2^32, true here (x < N <= 12288, K <= N).
+  const std::uint32_t K = static_cast<std::uint32_t>(p.top_k);
+  const std::uint32_t k_magic = K == 1 ? 0u : 0xffffffffu / K + 1;
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     const int x = c0 + (group0 + j) * 32 + lane;
@@ -258,7 +265,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
         row = base[key] + my_hist[key] + (packed[j] & 0xffff);
         if (kCluster || (row >= r0 && row < r1)) {
           p.permuted_to_expanded[row] = x;
-          p.permuted_to_token[row] = x / K;
+          p.permuted_to_token[row] =
+              K == 1 ? x : static_cast<int>(__umulhi(static_cast<std::uint32_t>(x), k_magic));
         }
       }
       if (x >= x0 && x < x1) p.expanded_to_permuted[x] = row;

@@ -25,6 +25,12 @@
 //    padded counts itself, and writes the rows of its own picks. Blocks exit only after every
 //    block has read their counts (second cluster barrier, split arrive/wait).
 //
+// Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 3.2 / 3.2 / 4.0 / 5.0 us at
+// T = 1 / 16 / 128 / 256; cluster 7.2 us at T = 1024. Under ncu both are latency/issue bound
+// (IPC 1.2-1.7 with 16 warps per SM, ~1000 instructions per warp at T = 256, a third of them the
+// 32-pick ranking rounds). The cluster form does not scale past ~12k picks: each SM then scatters
+// thousands of uncoalesced row stores, and the cluster barrier's release waits for the fill stores.
+//
 // Deterministic: the only atomics add up the dropped count (a sum, order-free); ranks come from
 // ballots within 32 picks (match_key) and per-warp running counts owned by one warp.
 #pragma once

@@ -20,13 +20,8 @@ using routing::RouteParams;
 constexpr int kWarpsPerBlock = 8;                    // 256 threads: many rows in flight per SM
 constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute needed
 
-// Blocks per SM the register allocation must allow: 6 (<= 40 registers, 75% occupancy) for
-// rows of up to 8 values per lane, 5 (<= 48) up to 16; wider shapes keep what they need.
 template <class Shape>
-constexpr int kMinBlocks = Shape::kValues <= 8 ? 6 : Shape::kValues <= 16 ? 5 : 0;
-
-template <class Shape>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, kMinBlocks<Shape>) route_kernel(const RouteParams p) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) route_kernel(const RouteParams p) {
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   // Every later kernel only reads our outputs after its own pdl_wait(), which waits for this
   // whole grid: letting it be scheduled now is safe and hides its launch latency.

@@ -771,9 +771,9 @@ void check_route_and_layout(const switchyard::ModelPreset& preset, const Case& c
   expect_same_layout(want, got);
 }
 
-// route_and_layout for the presets of the issue at T = 1 and 19 (one fused kernel) and 64, 65, 256,
-// 8192 (routing kernel, then layout kernels: the fused kernel takes at most 2 rows per warp),
-// all experts local and a quarter of them (int64 ids).
+// route_and_layout for the presets of the issue at T = 1, 19, 64, 65, 256 and 8192 (the layout
+// side crosses its one-block, cluster and chunked paths), all experts local and a quarter of them
+// (int64 ids).
 TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
@@ -804,10 +804,9 @@ TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
   }
 }
 
-// Every preset (so every routing shape and group rule the fused kernel instantiates) through the
-// one-kernel path (T = 0, 1, 7; T = 64 is fused only for E <= 32), with odd tile sizes, a strided
-// local range and bf16 weights.
-TEST(LayoutCuda, RouteAndLayoutFusedAllPresets) {
+// Every preset (so every routing shape and group rule) at small T (T = 0, 1, 7, 64), with odd tile
+// sizes, a strided local range and bf16 weights.
+TEST(LayoutCuda, RouteAndLayoutAllPresets) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

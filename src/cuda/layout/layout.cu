@@ -10,9 +10,7 @@
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
-#include "cuda/layout/lean_layout_kernel.cuh"
 #include "cuda/layout/one_launch_layout_kernel.cuh"
-#include "cuda/layout/route_layout_kernel.cuh"
 
 namespace switchyard::cuda {
 
@@ -38,7 +36,7 @@ constexpr long long kRowsPerOneBlock = 1024;
 constexpr long long kMaxOneBlocks = 132;
 constexpr long long kSmallMaxPicks = 4096;     // one kernel, every block sorts all picks
 constexpr long long kMediumMaxPicks = 131072;  // three kernels, chunks of kMediumChunk picks
-// Chunks of 512 picks: N = 32768..131072 (where the lean path does not take it) gives 64..256
+// Chunks of 512 picks: N = 32768..131072 (past the one-launch kernels) gives 64..256
 // blocks, enough to fill the SMs; each block's sort is short.
 constexpr int kMediumThreads = 256;
 constexpr int kMediumItems = 2;
@@ -51,13 +49,6 @@ constexpr int kLargeChunk = kLargeThreads * kLargeItems;  // 4096
 // blocks (each one repeats the sort of all N <= 4096 picks, so more blocks cost L2 reads only).
 constexpr long long kRowsPerSmallBlock = 2048;
 constexpr long long kMaxSmallBlocks = 128;
-
-// Lean kernel (lean_layout_kernel.cuh), now only inside the fused route_and_layout kernel: blocks
-// split the writes, about kRowsPerLeanBlock output rows each.
-// Measured on the H200 (E=256 K=8 M=128) before the one-launch kernels: the lean layout took
-// 4.0 / 7.4 us at T = 1 / 256 and 17 / 58 us at T = 1024 / 4096.
-constexpr long long kRowsPerLeanBlock = 4096;
-constexpr long long kMaxLeanBlocks = 132;
 
 constexpr std::size_t kWorkspaceAlign = 256;
 
@@ -169,11 +160,6 @@ Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
       layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
-long long lean_blocks(const LayoutParams& p) {
-  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
-  return std::clamp<long long>(ceil_div(rows, kRowsPerLeanBlock), 1, kMaxLeanBlocks);
-}
-
 bool one_block_fits(const LayoutParams& p) {
   return p.num_picks <= kOneBlockMaxPicks &&
          layout_detail::one_launch_smem_bytes(p.num_local, false) <= layout_detail::kOneMaxSmem;
@@ -283,69 +269,14 @@ Status layout(const detail::LayoutArgs& args, Stream stream) {
   }
 }
 
-namespace {
-
-// Dynamic shared memory the fused kernel may take; larger needs (a group limit over many experts,
-// or a large L) run route() then layout().
-constexpr std::size_t kFusedMaxDynamicSmem = 160 * 1024;
-constexpr long long kFusedMaxCallsPerWarp = 2;
-
-template <class Shape>
-Status launch_fused_shape(layout_detail::FusedParams& fp, cudaStream_t stream, bool* launched) {
-  // Each warp routes its rows one call after another; past a couple of calls per warp the
-  // routing kernel (rows over many SMs) followed by the layout kernel is faster.
-  const long long row_groups = ceil_div(fp.layout.num_tokens, Shape::kRowsPerWarp);
-  if (row_groups > kFusedMaxCallsPerWarp * (layout_detail::kFusedThreads / 32)) return Status::Ok();
-  fp.route_smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(fp.route);
-  const std::size_t smem =
-      layout_detail::fused_smem(fp.route_smem_per_warp, fp.layout.num_picks, fp.layout.num_local).total();
-  if (smem > kFusedMaxDynamicSmem) return Status::Ok();
-  // Blocks share the writes as in the lean layout (each one routes and counts everything).
-  const long long blocks = lean_blocks(fp.layout);
-  *launched = true;
-  return launch<layout_detail::route_layout_kernel<Shape>>(
-      "route_and_layout: route_layout_kernel", dim3(static_cast<unsigned>(blocks)),
-      dim3(layout_detail::kFusedThreads), smem, stream, fp);
-}
-
-// Launches the one-kernel route_and_layout when the shapes allow it; *launched says whether it
-// did (false: the caller runs the two-launch path).
-Status launch_route_and_layout(const detail::RouteArgs& ra, const detail::LayoutArgs& la, cudaStream_t stream,
-                               bool* launched) {
-  *launched = false;
-  if (ra.num_tokens > layout_detail::kFusedMaxTokens ||
-      la.num_tokens * la.top_k > layout_detail::kFusedMaxPicks || ra.config.top_k > kMaxGpuTopK ||
-      ra.num_tokens != la.num_tokens) {
-    return Status::Ok();
-  }
-  layout_detail::FusedParams fp;
-  fp.route = routing::make_route_params(ra);
-  fp.topk_ids = fp.route.topk_ids;
-  fp.topk_weights = fp.route.topk_weights;
-  fp.route.topk_ids = nullptr;  // the fused kernel writes the outputs itself
-  fp.route.topk_weights = nullptr;
-  fp.layout = make_params(la);
-  return routing::dispatch_route_shape(ra.config.num_experts, ra.num_tokens, [&](auto shape) -> Status {
-    using Shape = decltype(shape);
-    // E > 2048 holds 128 logits per lane: at 512 threads (<= 128 registers) that spills, so the
-    // routing kernel (256 threads) does it instead.
-    if constexpr (Shape::kValues > 64) {
-      return Status::Ok();
-    } else {
-      return launch_fused_shape<Shape>(fp, stream, launched);
-    }
-  });
-}
-
-}  // namespace
-
 Status route_and_layout(const detail::RouteArgs& route_args, const detail::LayoutArgs& layout_args,
                         Stream stream) {
+  // A layout the backend cannot do fails before routing writes anything.
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
-  bool launched = false;
-  const Status fused = launch_route_and_layout(route_args, layout_args, stream, &launched);
-  if (launched || !fused.ok()) return fused;
-  // Larger shapes: the routing kernel, then the layout kernels, chained by PDL.
+  // The routing kernel, then the layout kernels, chained by programmatic dependent launch. (A
+  // single fused route+layout kernel existed up to 6aaec95; measured on the H200 it took 8.4 /
+  // 10.2 us at T = 1 / 16 for deepseek-v3 against 7.0 / 7.4 us for these two launches once the
+  // one-launch layout kernel landed, so it was removed.)
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

@@ -2,8 +2,8 @@
 // picks x = t*K + k by local expert, deterministic bit for bit (no atomic whose order reaches the
 // output: shared-memory atomics only build histograms, whose values do not depend on order).
 //
-// Shapes of the same computation (the lean one-kernel path for small and mid N with L <= 2275 is
-// in lean_layout_kernel.cuh; this file has the sorting one-kernel path for larger L and the
+// Shapes of the same computation (the one-launch kernels for small and mid N with L <= 2275 are
+// in one_launch_layout_kernel.cuh; this file has the sorting one-kernel path for larger L and the
 // chunked pipeline):
 //
 //  * small (T*K <= kSmallMaxPicks): ONE kernel. Every block reads all picks, builds the
@@ -330,8 +330,7 @@ __device__ __forceinline__ void write_expanded_to_permuted(
 
 // ---------------------------------------------------------------------------------------------
 // Small path: the whole layout of N <= THREADS * ITEMS picks in every block; block g writes
-// slice g of the outputs. `key_of(x, p, dropped)` gives pick x's key (global ids here; the fused
-// route_and_layout kernel reads ids its warps routed into shared memory).
+// slice g of the outputs. `key_of(x, p, dropped)` gives pick x's key (from the global ids).
 //
 // Expects: `dyn` holds expert_arrays_bytes(L) of shared memory; everything the keys come from is
 // ready (the caller has passed pdl_wait / __syncthreads).

@@ -1,5 +1,5 @@
 // One-launch layout for small and medium N = T*K (DESIGN.md section 3): a stable counting sort
-// with per-warp ranks (as in lean_layout_kernel.cuh), shaped so that the critical path after
+// with per-warp ranks (match_key below), shaped so that the critical path after
 // pdl_wait() is short: ids -> ranks -> counts -> one scan -> writes, with no per-expert fill pass
 // behind the scan.
 //
@@ -44,9 +44,27 @@
 
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
-#include "cuda/layout/lean_layout_kernel.cuh"
 
 namespace switchyard::cuda::layout_detail {
+
+// The lanes of the warp whose key equals this lane's, for keys below 2^bits: one ballot per key
+// bit (the multisplit of CUB's MatchAny<LABEL_BITS>, with a runtime bit count) instead of
+// __match_any_sync, whose cost grows with the number of distinct keys among the 32 lanes.
+__device__ __forceinline__ unsigned match_key(int key, int bits) {
+  unsigned same = 0xffffffffu;
+  for (int b = 0; b < bits; ++b) {
+    const bool one = ((key >> b) & 1) != 0;
+    const unsigned ones = __ballot_sync(0xffffffffu, one);
+    same &= one ? ones : ~ones;
+  }
+  return same;
+}
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
 
 constexpr int kOneThreads = 512;
 constexpr int kOneWarps = kOneThreads / 32;

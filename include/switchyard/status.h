@@ -13,6 +13,7 @@ enum class StatusCode : int {
   kUnsupported = 2,      // valid request this build or backend does not implement
   kCudaError = 3,        // a CUDA runtime call failed; the message carries cudaGetErrorString
   kInternal = 4,         // a bug in Switchyard; please report it
+  kTimeout = 5,          // a peer did not arrive in time (expert parallelism); the group is broken
 };
 
 const char* status_code_name(StatusCode code);
@@ -34,6 +35,9 @@ class Status {
   }
   static Status Internal(std::string message) {
     return Status(StatusCode::kInternal, std::move(message));
+  }
+  static Status Timeout(std::string message) {
+    return Status(StatusCode::kTimeout, std::move(message));
   }
 
   bool ok() const { return code_ == StatusCode::kOk; }

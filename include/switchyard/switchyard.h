@@ -2,6 +2,7 @@
 // Read DESIGN.md for the semantics; each header below is the contract of one stage.
 #pragma once
 
+#include "switchyard/ep.h"
 #include "switchyard/layout.h"
 #include "switchyard/permute.h"
 #include "switchyard/routing.h"

@@ -64,7 +64,8 @@ NB_MODULE(_ext, m) {
       .value("InvalidArgument", StatusCode::kInvalidArgument)
       .value("Unsupported", StatusCode::kUnsupported)
       .value("CudaError", StatusCode::kCudaError)
-      .value("Internal", StatusCode::kInternal);
+      .value("Internal", StatusCode::kInternal)
+      .value("Timeout", StatusCode::kTimeout);
 
   nb::class_<Status>(m, "Status")
       .def_prop_ro("ok", &Status::ok)

@@ -78,6 +78,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kUnsupported: return "Unsupported";
     case StatusCode::kCudaError: return "CudaError";
     case StatusCode::kInternal: return "Internal";
+    case StatusCode::kTimeout: return "Timeout";
   }
   return "Unknown";
 }

@@ -121,6 +121,8 @@ struct CombineInputs {
 // are invalid, every rank returns InvalidArgument naming that rank and argument, and nothing is
 // written anywhere. A rank that does not arrive within timeout_seconds makes the waiting ranks
 // return kTimeout naming it and the step; the group then refuses every further call (rebuild it).
+// Ranks found in different calls (one in dispatch, another in combine) break the group the same
+// way, with InvalidArgument.
 class CpuGroup {
  public:
   static Status create(const GroupConfig& config, std::unique_ptr<CpuGroup>* group);

@@ -109,7 +109,9 @@ struct CpuGroup::State {
   std::uint64_t generation = 0;
   int arrived_count = 0;
   std::vector<char> arrived;
+  std::vector<std::string> at_step;  // the barrier each rank waits at
   std::string broken;
+  StatusCode broken_code = StatusCode::kTimeout;
 
   // Posted per rank for the current collective.
   std::vector<const DispatchInputs*> in;
@@ -127,10 +129,22 @@ struct CpuGroup::State {
   template <typename F>
   Status barrier(int rank, const std::string& step, F on_last) {
     std::unique_lock<std::mutex> lock(mu);
-    if (!broken.empty()) return Status::Timeout(broken);
+    if (!broken.empty()) return Status(broken_code, broken);
     const std::uint64_t gen = generation;
     arrived[rank] = 1;
+    at_step[rank] = step;
     if (++arrived_count == config.num_ranks) {
+      for (int r = 0; r < config.num_ranks; ++r) {
+        if (at_step[r] != step) {
+          // Ranks in different collectives cannot be brought back in step: break the group.
+          broken = "ep: the ranks are in different calls (rank " + std::to_string(r) + " at '" + at_step[r] +
+                   "', rank " + std::to_string(rank) + " at '" + step +
+                   "'); every rank must make the same collective calls in the same order; rebuild the group";
+          broken_code = StatusCode::kInvalidArgument;
+          cv.notify_all();
+          return Status(broken_code, broken);
+        }
+      }
       on_last();
       arrived_count = 0;
       std::fill(arrived.begin(), arrived.end(), 0);
@@ -140,6 +154,7 @@ struct CpuGroup::State {
     }
     cv.wait_for(lock, timeout, [&] { return generation != gen || !broken.empty(); });
     if (generation != gen) return Status::Ok();
+    if (!broken.empty()) return Status(broken_code, broken);
     if (broken.empty()) {
       std::string missing;
       for (int r = 0; r < config.num_ranks; ++r) {
@@ -148,9 +163,10 @@ struct CpuGroup::State {
       broken = "ep " + step + ": rank(s) " + missing + " did not arrive within " +
                std::to_string(config.timeout_seconds) + " s (seen by rank " + std::to_string(rank) +
                "); the group is broken, rebuild it";
+      broken_code = StatusCode::kTimeout;
       cv.notify_all();
     }
-    return Status::Timeout(broken);
+    return Status(broken_code, broken);
   }
   Status barrier(int rank, const std::string& step) {
     return barrier(rank, step, [] {});
@@ -178,6 +194,7 @@ Status CpuGroup::create(const GroupConfig& config, std::unique_ptr<CpuGroup>* gr
   s->config = config;
   s->timeout = std::chrono::duration<double>(config.timeout_seconds);
   s->arrived.assign(R, 0);
+  s->at_step.assign(R, std::string());
   s->in.assign(R, nullptr);
   s->out.assign(R, nullptr);
   s->combine_in.assign(R, nullptr);

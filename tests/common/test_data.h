@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -22,6 +23,18 @@ inline std::mt19937_64& rng() {
 
 // Seed for a test: fresh each run, printed on failure via SCOPED_TRACE by the caller.
 inline std::uint64_t fresh_seed() { return rng()(); }
+
+// A fresh seed each run, or SY_TEST_SEED from the environment to replay a failure.
+inline std::uint64_t test_seed() {
+  if (const char* env = std::getenv("SY_TEST_SEED")) return std::strtoull(env, nullptr, 10);
+  return fresh_seed();
+}
+
+// The layout / permute sweep axes of the CPU tests (the GPU tests add larger T and E).
+constexpr std::int64_t kSweepTokens[] = {0, 1, 3, 19, 111, 989, 4096};
+constexpr int kSweepExperts[] = {8, 160, 256, 384, 512, 2048};
+constexpr int kSweepTopK[] = {1, 2, 8, 10, 22, 32};
+constexpr int kSweepTiles[] = {1, 7, 64, 128, 192};
 
 inline std::vector<float> random_normal(std::size_t n, std::uint64_t seed, float stddev = 1.0f) {
   std::mt19937_64 g(seed);

@@ -30,10 +30,10 @@ using switchyard::TensorView;
 using sy_test::kPoisonI32;
 using sy_test::Skew;
 
-constexpr std::int64_t kTs[] = {0, 1, 3, 19, 111, 989, 4096};
-constexpr int kEs[] = {8, 160, 256, 384, 512, 2048};
-constexpr int kKs[] = {1, 2, 8, 10, 22, 32};
-constexpr int kMs[] = {1, 7, 64, 128, 192};
+constexpr const auto& kTs = sy_test::kSweepTokens;
+constexpr const auto& kEs = sy_test::kSweepExperts;
+constexpr const auto& kKs = sy_test::kSweepTopK;
+constexpr const auto& kMs = sy_test::kSweepTiles;
 constexpr Skew kSkews[] = {Skew::kUniform, Skew::kZipf, Skew::kOneHot};
 // Elements after each buffer's capacity that must keep their poison.
 constexpr std::int64_t kGuard = 61;
@@ -85,11 +85,7 @@ std::string describe(const LayoutCase& c) {
   return os.str();
 }
 
-// A fresh seed each run, or SY_TEST_SEED from the environment to replay a failure.
-std::uint64_t test_seed() {
-  if (const char* env = std::getenv("SY_TEST_SEED")) return std::strtoull(env, nullptr, 10);
-  return sy_test::fresh_seed();
-}
+using sy_test::test_seed;
 
 int num_local(const LayoutCase& c) { return c.local == LocalKind::kAll ? c.E : c.count; }
 

@@ -43,10 +43,7 @@ constexpr Skew kSkews[] = {Skew::kUniform, Skew::kZipf, Skew::kOneHot};
 constexpr std::int64_t kGuard = 67;
 constexpr std::int32_t kPoison = static_cast<std::int32_t>(0xA5A5A5A5u);  // cudaMemset byte 0xA5
 
-std::uint64_t test_seed() {
-  if (const char* env = std::getenv("SY_TEST_SEED")) return std::strtoull(env, nullptr, 10);
-  return sy_test::fresh_seed();
-}
+using sy_test::test_seed;
 
 const char* skew_name(Skew s) {
   switch (s) {

@@ -30,18 +30,14 @@ using switchyard::Status;
 using switchyard::TensorView;
 using sy_test::kPoisonByte;
 
-constexpr std::int64_t kTs[] = {0, 1, 3, 19, 111, 989, 4096};
-constexpr int kEs[] = {8, 160, 256, 384, 512, 2048};
-constexpr int kKs[] = {1, 2, 8, 10, 22, 32};
-constexpr int kMs[] = {1, 7, 64, 128, 192};
+constexpr const auto& kTs = sy_test::kSweepTokens;
+constexpr const auto& kEs = sy_test::kSweepExperts;
+constexpr const auto& kKs = sy_test::kSweepTopK;
+constexpr const auto& kMs = sy_test::kSweepTiles;
 // Rows (gather) or elements (combine) after each output's end that must keep their poison.
 constexpr std::int64_t kGuardRows = 5;
 
-// A fresh seed each run, or SY_TEST_SEED from the environment to replay a failure.
-std::uint64_t test_seed() {
-  if (const char* env = std::getenv("SY_TEST_SEED")) return std::strtoull(env, nullptr, 10);
-  return sy_test::fresh_seed();
-}
+using sy_test::test_seed;
 
 // ---- 16-bit float formats, written independently of src/common/numeric.h ----
 

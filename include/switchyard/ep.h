@@ -132,9 +132,10 @@ class CpuGroup {
 
   const GroupConfig& config() const;
 
-  // Dispatch of rank `rank`'s tokens. With `reuse` and a handle from an earlier dispatch of the
-  // same routing (same topk_ids on every rank: checked here), the count exchange is skipped
-  // and the handle kept (a training backward pass); otherwise *handle is replaced.
+  // Dispatch of rank `rank`'s tokens; *handle then describes this dispatch. With `reuse`, the
+  // handle must come from an earlier dispatch of the same routing (same topk_ids on every rank,
+  // checked here): a GPU transport skips the count exchange then (a training backward pass);
+  // the outputs are the same as without it.
   Status dispatch(int rank, const DispatchInputs& in, const DispatchOutputs& out, Handle* handle,
                   bool reuse = false);
 

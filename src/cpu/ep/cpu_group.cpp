@@ -466,7 +466,8 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
   // 3. Every rank's plan part is written before any handle is used.
   SY_RETURN_IF_ERROR(s.barrier(rank, "dispatch: rows written"));
   if (!local.ok()) return Status::Internal("ep dispatch (rank " + std::to_string(rank) + "): " + local.message());
-  if (!reuse) handle->plan = plan;
+  // Also on reuse: the routing is the same, but combine must see this dispatch's weights.
+  handle->plan = plan;
   return Status::Ok();
 }
 

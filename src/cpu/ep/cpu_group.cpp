@@ -80,8 +80,8 @@ std::int64_t max_expert_rows(const GroupConfig& c) {
 
 struct Handle::Plan {
   const void* group = nullptr;  // the State it belongs to
-  bool expert_major = false;
   struct Rank {
+    bool expert_major = false;             // this rank's dispatch wrote the expert-major output
     std::int64_t tokens = 0;               // T of this rank as source
     std::vector<std::int64_t> ids;         // its [T,K] input ids (checked on reuse)
     std::vector<std::int32_t> dest_row;    // [T,R]: row of token t at rank d, or -1
@@ -444,7 +444,7 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
   // Expert-major: the section 3 layout of the received rows, and the rows gathered into it.
   Status local = Status::Ok();
   if (!out.expert_x.absent()) {
-    plan->expert_major = true;
+    mine.expert_major = true;
     LayoutConfig lc;
     lc.num_experts = L;
     lc.local = LocalExperts::all();
@@ -522,7 +522,7 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
   Status own = Status::Ok();
   if (!handle.valid() || handle.plan->group != &s) {
     own = check.fail_arg("handle", "is not from a dispatch of this group");
-  } else if (in.expert_major && !handle.plan->expert_major) {
+  } else if (in.expert_major && !handle.plan->ranks[rank].expert_major) {
     own = check.fail_arg("in.expert_major", "set, but the handle's dispatch wrote no expert-major output");
   } else {
     const std::int64_t rows = in.expert_major ? max_expert_rows(c) : max_recv_rows(c);

@@ -23,7 +23,10 @@ constexpr std::int64_t kCombineFmasPerChunk = 1 << 16;
 // acc[h] = fmaf(w, y[h], acc[h]) over one row. An fma is exactly rounded however it runs, so
 // the clone built for CPUs with the FMA instruction (chosen once, at load time) gives the bits
 // of the portable clone, whose std::fmaf is a libm call, several times faster.
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+// ThreadSanitizer crashes at load time in ifunc resolvers, so its builds take the portable path.
+#if defined(__SANITIZE_THREAD__)
+#define SY_FMA_CLONES
+#elif defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
 #define SY_FMA_CLONES __attribute__((target_clones("fma", "default")))
 #else
 #define SY_FMA_CLONES

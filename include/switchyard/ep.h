@@ -80,7 +80,9 @@ struct DispatchOutputs {
   // the received rows over this rank's L local experts with tile M (its "tokens" are the
   // received rows: T' = stats[kRecvRows], sentinels T'*K and T'), arrays sized for T' = N; and
   // the rows gathered into it, padding rows zero-filled: one copy per selected local expert,
-  // ready for the grouped GEMM.
+  // ready for the grouped GEMM. Entries past the capacity of the T' received rows'
+  // layout (max_permuted_rows(T', K, L, M) rows, max_tiles(T', ...) tiles, T' rows of
+  // expanded_to_permuted) are left untouched, as layout() leaves entries past its capacity.
   Layout layout;            // arrays sized by max_permuted_rows / max_tiles(N, K, L, M)
   TensorView expert_x;      // [P,H] config.dtype
   TensorView expert_scales; // [P, scale_cols] fp32; present iff scale_cols > 0
@@ -107,7 +109,7 @@ class Handle {
 //   out[t] = cast(s (+ out[t] when accumulate)).
 // With R = 1 this is combine() of permute.h, bit for bit.
 struct CombineInputs {
-  bool expert_major = true;
+  bool expert_major = true;  // needs a dispatch that wrote the expert-major output on this rank
   // expert_major: y_perm [P,H] bf16, fp16 or fp32 (rows of the expert-major layout), weighted by
   //               the received topk_weights over this rank's local picks.
   // rank-major:   [N,H] bf16, fp16 or fp32: one row per received row, already reduced over

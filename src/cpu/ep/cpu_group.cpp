@@ -407,10 +407,10 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
       ++row;
     }
   }
-  std::memcpy(out.src_rank.data, mine.src_rank.data(), mine.src_rank.size() * sizeof(std::int32_t));
-  std::memcpy(out.src_token.data, mine.src_token.data(), mine.src_token.size() * sizeof(std::int32_t));
-  std::memcpy(out.topk_ids.data, mine.local_ids.data(), mine.local_ids.size() * sizeof(std::int32_t));
-  std::memcpy(out.topk_weights.data, mine.weights.data(), mine.weights.size() * sizeof(float));
+  std::copy(mine.src_rank.begin(), mine.src_rank.end(), static_cast<std::int32_t*>(out.src_rank.data));
+  std::copy(mine.src_token.begin(), mine.src_token.end(), static_cast<std::int32_t*>(out.src_token.data));
+  std::copy(mine.local_ids.begin(), mine.local_ids.end(), static_cast<std::int32_t*>(out.topk_ids.data));
+  std::copy(mine.weights.begin(), mine.weights.end(), static_cast<float*>(out.topk_weights.data));
 
   // As source: where each token went, and the counts.
   const std::int64_t T = in.x.shape[0];
@@ -458,9 +458,8 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
                                  lay, out.expert_x, out.expert_scales, /*zero_fill_padding=*/true);
     }
     if (local.ok()) {
-      mine.expanded_to_permuted.resize(static_cast<std::size_t>(rows * K));
-      std::memcpy(mine.expanded_to_permuted.data(), out.layout.expanded_to_permuted.data,
-                  mine.expanded_to_permuted.size() * sizeof(std::int32_t));
+      const auto* e2p = static_cast<const std::int32_t*>(out.layout.expanded_to_permuted.data);
+      mine.expanded_to_permuted.assign(e2p, e2p + rows * K);
     }
   }
   // 3. Every rank's plan part is written before any handle is used.

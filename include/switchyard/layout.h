@@ -93,9 +93,9 @@ Status layout_workspace_size(const LayoutConfig& config, std::int64_t num_tokens
 Status layout(const LayoutConfig& config, const TensorView& topk_ids, const Layout& out,
               void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 
-// route_and_layout: route (routing.h) then layout of the resulting ids, in as few launches
-// as the backend can. Same arguments and rules as the two calls; layout.num_experts must
-// equal routing.num_experts.
+// route_and_layout: route (routing.h) then layout of the resulting ids, one call (the CUDA
+// backend chains the two kernels with programmatic dependent launch). Same arguments and rules
+// as the two calls; layout.num_experts must equal routing.num_experts.
 Status route_and_layout(const RoutingConfig& routing, const TensorView& logits,
                         const TensorView& bias, const TensorView& topk_ids,
                         const TensorView& topk_weights, const LayoutConfig& layout_config,

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/float_formats.h"
 #include "common/test_data.h"
 #include "switchyard/ep.h"
 #include "switchyard/layout.h"
@@ -53,57 +54,12 @@ using sy_test::kPoisonByte;
 // Rows (elements for 1-D arrays) past each output's stated size that must keep their poison.
 constexpr std::int64_t kGuard = 3;
 
-// ---- 16-bit floats, written independently of the library ----
+// ---- 16-bit floats (tests/common/float_formats.h, independent of the library) ----
 
-float fp16_value(std::uint16_t h) {
-  const int exp = (h >> 10) & 0x1f;
-  const int mant = h & 0x3ff;
-  double v;
-  if (exp == 0) {
-    v = std::ldexp(static_cast<double>(mant), -24);
-  } else if (exp == 31) {
-    v = mant == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
-  } else {
-    v = std::ldexp(1024.0 + mant, exp - 25);
-  }
-  return static_cast<float>((h & 0x8000) ? -v : v);
-}
-
-// Round to nearest even; NaN (the test's "must not be read" filler) to a quiet NaN.
-std::uint16_t fp16_bits(float f) {
-  const std::uint16_t sign = std::signbit(f) ? 0x8000 : 0;
-  if (std::isnan(f)) return sign | 0x7e00;
-  const double a = std::fabs(static_cast<double>(f));
-  if (a >= 65520.0) return sign | 0x7c00;
-  if (a < std::ldexp(1.0, -14)) return sign | static_cast<std::uint16_t>(std::nearbyint(std::ldexp(a, 24)));
-  int e = std::ilogb(a);
-  double m = std::nearbyint(std::ldexp(a, 10 - e));
-  if (m == 2048.0) {
-    m = 1024.0;
-    ++e;
-  }
-  if (e > 15) return sign | 0x7c00;
-  return sign | static_cast<std::uint16_t>(((e + 15) << 10) | (static_cast<int>(m) - 1024));
-}
-
-std::uint32_t f32_bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-float load_as_float(DType dtype, const void* base, std::int64_t i) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(base)[i];
-    case DType::kBFloat16:
-      return sy_test::bf16_value(static_cast<const std::uint16_t*>(base)[i]);
-    case DType::kFloat16:
-      return fp16_value(static_cast<const std::uint16_t*>(base)[i]);
-    default:
-      return std::numeric_limits<float>::quiet_NaN();
-  }
-}
+using sy_test::f32_bits;
+using sy_test::fp16_bits;
+using sy_test::fp16_value;
+using sy_test::load_as_float;
 
 void store_from_float(DType dtype, void* base, std::int64_t i, float f) {
   switch (dtype) {

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/float_formats.h"
 #include "common/test_data.h"
 #include "switchyard/layout.h"
 #include "switchyard/permute.h"
@@ -39,63 +40,15 @@ constexpr std::int64_t kGuardRows = 5;
 
 using sy_test::test_seed;
 
-// ---- 16-bit float formats, written independently of src/common/numeric.h ----
+// ---- 16-bit float formats (tests/common/float_formats.h, independent of the library) ----
 
-float fp16_value(std::uint16_t h) {
-  const int exp = (h >> 10) & 0x1f;
-  const int mant = h & 0x3ff;
-  double v;
-  if (exp == 0) {
-    v = std::ldexp(static_cast<double>(mant), -24);
-  } else if (exp == 31) {
-    v = mant == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
-  } else {
-    v = std::ldexp(1024.0 + mant, exp - 25);
-  }
-  return static_cast<float>((h & 0x8000) ? -v : v);
-}
-
-// Round to nearest even (std::nearbyint in the default rounding mode); finite inputs only.
-std::uint16_t fp16_bits(float f) {
-  const std::uint16_t sign = std::signbit(f) ? 0x8000 : 0;
-  const double a = std::fabs(static_cast<double>(f));
-  if (a >= 65520.0) return sign | 0x7c00;
-  if (a < std::ldexp(1.0, -14)) {
-    // Subnormal quantum 2^-24; a result of 1024 is the smallest normal, whose bits are 0x400.
-    return sign | static_cast<std::uint16_t>(std::nearbyint(std::ldexp(a, 24)));
-  }
-  int e = std::ilogb(a);                             // 2^e <= a < 2^(e+1)
-  double m = std::nearbyint(std::ldexp(a, 10 - e));  // in [1024, 2048]
-  if (m == 2048.0) {
-    m = 1024.0;
-    ++e;
-  }
-  if (e > 15) return sign | 0x7c00;
-  return sign | static_cast<std::uint16_t>(((e + 15) << 10) | (static_cast<int>(m) - 1024));
-}
+using sy_test::f32_bits;
+using sy_test::fp16_bits;
+using sy_test::fp16_value;
+using sy_test::load_as_float;
 
 // Position of a 16-bit sign-magnitude float on the number line, +0 and -0 both at 0.
 int ordinal16(std::uint16_t b) { return (b & 0x8000) ? -static_cast<int>(b & 0x7fff) : static_cast<int>(b); }
-
-std::uint32_t f32_bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-// A dtype's element type in the test: value <-> storage.
-float load_as_float(DType dtype, const void* base, std::int64_t i) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(base)[i];
-    case DType::kBFloat16:
-      return sy_test::bf16_value(static_cast<const std::uint16_t*>(base)[i]);
-    case DType::kFloat16:
-      return fp16_value(static_cast<const std::uint16_t*>(base)[i]);
-    default:
-      return std::numeric_limits<float>::quiet_NaN();
-  }
-}
 
 // Storage bits of f rounded to `dtype` (as uint32 for all three formats).
 std::uint32_t bits_of(DType dtype, float f) {

@@ -4,7 +4,8 @@
 #   name:bench:filter:tokens:kernel-regex:count
 # e.g. route_e256:routing:softmax-e256:65536:route_kernel:1 profiles the first route_kernel launch
 # of `bench_routing x.json softmax-e256` restricted to T = 65536 (SY_BENCH_TOKENS). Reports land
-# in $OUT/ncu_<name>.txt (details page, full set) and a few headline metrics go to stdout.
+# in $OUT/ncu_<name>.txt (details page, full set) and a few headline metrics go to stdout. For
+# per-instruction counts, see scripts/ncu_sass_summary.py.
 set -uo pipefail
 B=/tmp/sy_build
 OUT="${OUT:-/tmp/sy_out}"

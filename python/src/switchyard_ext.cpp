@@ -8,6 +8,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstddef>
@@ -224,4 +225,67 @@ NB_MODULE(_ext, m) {
         return combine(y_perm, layout, topk_weights, out, accumulate, as_stream(stream));
       },
       "y_perm"_a, "layout"_a, "topk_weights"_a, "out"_a, "accumulate"_a, "stream"_a, release());
+
+  // Expert parallelism (ep.h): the CPU reference group. Its collective calls block until every
+  // rank has arrived, so they release the GIL: each rank is a Python thread.
+  nb::class_<ep::GroupConfig>(m, "EpGroupConfig")
+      .def(nb::init<>())
+      .def_rw("num_ranks", &ep::GroupConfig::num_ranks)
+      .def_rw("num_experts", &ep::GroupConfig::num_experts)
+      .def_rw("top_k", &ep::GroupConfig::top_k)
+      .def_rw("max_tokens", &ep::GroupConfig::max_tokens)
+      .def_rw("hidden", &ep::GroupConfig::hidden)
+      .def_rw("dtype", &ep::GroupConfig::dtype)
+      .def_rw("scale_cols", &ep::GroupConfig::scale_cols)
+      .def_rw("tile_size", &ep::GroupConfig::tile_size)
+      .def_rw("timeout_seconds", &ep::GroupConfig::timeout_seconds)
+      .def_prop_ro("experts_per_rank", &ep::GroupConfig::experts_per_rank);
+  m.def(
+      "ep_validate", [](const ep::GroupConfig& c) { return ep::validate(c); }, "config"_a);
+  m.def("ep_max_recv_rows", &ep::max_recv_rows, "config"_a);
+  m.def("ep_max_expert_rows", &ep::max_expert_rows, "config"_a);
+  m.attr("EP_RECV_ROWS") = static_cast<int>(ep::kRecvRows);
+  m.attr("EP_SENT_ROWS") = static_cast<int>(ep::kSentRows);
+  m.attr("EP_DROPPED") = static_cast<int>(ep::kDropped);
+  m.attr("EP_NUM_STATS") = static_cast<int>(ep::kNumStats);
+
+  nb::class_<ep::DispatchInputs>(m, "EpDispatchInputs")
+      .def(nb::init<>())
+      .def_rw("x", &ep::DispatchInputs::x)
+      .def_rw("scales", &ep::DispatchInputs::scales)
+      .def_rw("topk_ids", &ep::DispatchInputs::topk_ids)
+      .def_rw("topk_weights", &ep::DispatchInputs::topk_weights);
+  nb::class_<ep::DispatchOutputs>(m, "EpDispatchOutputs")
+      .def(nb::init<>())
+      .def_rw("x", &ep::DispatchOutputs::x)
+      .def_rw("scales", &ep::DispatchOutputs::scales)
+      .def_rw("src_rank", &ep::DispatchOutputs::src_rank)
+      .def_rw("src_token", &ep::DispatchOutputs::src_token)
+      .def_rw("topk_ids", &ep::DispatchOutputs::topk_ids)
+      .def_rw("topk_weights", &ep::DispatchOutputs::topk_weights)
+      .def_rw("stats", &ep::DispatchOutputs::stats)
+      .def_rw("layout", &ep::DispatchOutputs::layout)
+      .def_rw("expert_x", &ep::DispatchOutputs::expert_x)
+      .def_rw("expert_scales", &ep::DispatchOutputs::expert_scales);
+  nb::class_<ep::CombineInputs>(m, "EpCombineInputs")
+      .def(nb::init<>())
+      .def_rw("expert_major", &ep::CombineInputs::expert_major)
+      .def_rw("y", &ep::CombineInputs::y);
+  nb::class_<ep::Handle>(m, "EpHandle").def(nb::init<>()).def_prop_ro("valid", &ep::Handle::valid);
+
+  nb::class_<ep::CpuGroup>(m, "EpCpuGroup")
+      .def_static(
+          "create",
+          [](const ep::GroupConfig& c) {
+            std::unique_ptr<ep::CpuGroup> group;
+            const Status s = ep::CpuGroup::create(c, &group);
+            if (!s.ok()) throw nb::value_error(s.message().c_str());  // Python validates first
+            return group;
+          },
+          "config"_a)
+      .def("dispatch", &ep::CpuGroup::dispatch, "rank"_a, "inputs"_a, "outputs"_a, "handle"_a, "reuse"_a,
+           release())
+      .def("combine", &ep::CpuGroup::combine, "rank"_a, "handle"_a, "inputs"_a, "out"_a, "accumulate"_a,
+           release())
+      .def("broken_reason", &ep::CpuGroup::broken_reason);
 }

@@ -41,8 +41,8 @@ class UnsupportedError(NotImplementedError):
 def check_status(status: Any) -> None:
     """Raises the Python exception for a non-ok Status of the C++ API.
 
-    InvalidArgument becomes TypeError when it is about a dtype, ValueError otherwise; the
-    library's message already names the operation and the argument."""
+    InvalidArgument becomes TypeError when it is about a dtype, ValueError otherwise; Timeout
+    (expert parallelism) TimeoutError; the library's message names the operation and argument."""
     if status.ok:
         return
     code = status.code
@@ -51,6 +51,8 @@ def check_status(status: Any) -> None:
         raise (TypeError if "dtype" in message else ValueError)(message)
     if code == _ext.StatusCode.Unsupported:
         raise UnsupportedError(message)
+    if code == _ext.StatusCode.Timeout:
+        raise TimeoutError(message)
     raise RuntimeError(f"switchyard: {code.name}: {message}")
 
 

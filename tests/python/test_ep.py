@@ -122,3 +122,49 @@ def test_bad_config_names_the_field():
         ep.CpuGroup(3, 7, 2, max_tokens=4, hidden=8)
     with pytest.raises(ValueError, match="scale_cols"):
         ep.CpuGroup(2, 4, 2, max_tokens=4, hidden=8, dtype=torch.bfloat16, scale_cols=1)
+
+
+def test_rank_major_combine_and_reuse():
+    R, L, K, H = 3, 2, 2, 8
+    E = R * L
+    T = [4, 6, 5]
+    xs, ids, ws = make_inputs(R, E, K, T, H, seed=11)
+    group = ep.CpuGroup(R, E, K, max_tokens=max(T), hidden=H, dtype=torch.float32)
+
+    def step(rank):
+        d = group.dispatch(rank, xs[rank], ids[rank], ws[rank], expert_major=False)
+        assert d.layout is None and d.expert_x is None
+        # Rank-major combine: one already-reduced row per received row; here 2 * x.
+        out = group.combine(rank, d.handle, 2 * d.x, expert_major=False)
+        # The same routing again with reuse and new weights: the same rows come back.
+        d2 = group.dispatch(rank, xs[rank], ids[rank], ws[rank] * 0.5, expert_major=False, handle=d.handle,
+                            reuse=True)
+        return d, d2, out
+
+    results = ep.run_ranks(R, step)
+    for rank, (d, d2, out) in enumerate(results):
+        # Each token comes back once from every rank it went to: 2 * x * (number of such ranks).
+        went = torch.tensor([sum(1 for dd in range(R) if any(0 <= v < E and v // L == dd
+                                                                 for v in ids[rank][t].tolist()))
+                             for t in range(T[rank])], dtype=torch.float32)
+        torch.testing.assert_close(out, 2 * xs[rank] * went[:, None], rtol=0, atol=1e-6)
+        assert torch.equal(d2.x, d.x) and torch.equal(d2.src_token, d.src_token)
+        assert torch.equal(d2.topk_weights, d.topk_weights * 0.5)
+
+
+def test_reuse_with_changed_routing_is_refused_on_every_rank():
+    R, E, K, H = 2, 4, 2, 8
+    xs, ids, ws = make_inputs(R, E, K, [3, 3], H, seed=13)
+    group = ep.CpuGroup(R, E, K, max_tokens=3, hidden=H, dtype=torch.float32)
+    first = ep.run_ranks(R, lambda r: group.dispatch(r, xs[r], ids[r], ws[r]))
+    changed = [ids[0].flip(1), ids[1]]  # rank 0's picks in another order
+    errors = []
+
+    def step(rank):
+        try:
+            group.dispatch(rank, xs[rank], changed[rank], ws[rank], handle=first[rank].handle, reuse=True)
+        except ValueError as e:
+            errors.append(str(e))
+
+    ep.run_ranks(R, step)
+    assert len(errors) == R and all("rank 0" in e and "topk_ids" in e for e in errors), errors

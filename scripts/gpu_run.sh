@@ -2,6 +2,8 @@
 # Builds Switchyard on the lent GPU machine and runs the GPU tests, compute-sanitizer and the
 # benchmarks; everything lands in $OUT/results.tgz plus a summary on stdout.
 #   SRC=. STEPS=build,test,sanitize,bench,python COMMIT=<sha> bash scripts/gpu_run.sh
+# Steps: build, test (GPU + CPU ctest), python (pip install + pytest), pyfast (pytest on the
+# build step's extension, without a second compile of the kernels), cli, bench, sanitize, demo.
 set -uo pipefail
 SRC="$(cd "${SRC:-.}" && pwd)"
 STEPS="${STEPS:-build,test,sanitize,bench}"
@@ -16,7 +18,12 @@ cat "$RES/gpu.txt"
 
 if has build; then
   start=$(date +%s)
-  cmake -S "$SRC" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSWITCHYARD_GIT_COMMIT="${COMMIT:-}" \
+  # The Python extension too when nanobind is importable, for the `pyfast` step (no second build).
+  py_opts=()
+  if python3 -c "import nanobind" >/dev/null 2>&1; then
+    py_opts=(-DSWITCHYARD_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
+  fi
+  cmake -S "$SRC" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSWITCHYARD_GIT_COMMIT="${COMMIT:-}" "${py_opts[@]}" \
     >"$RES/configure.log" 2>&1 || { tail -30 "$RES/configure.log"; }
   cmake --build "$B" -j "$(nproc)" >"$RES/build.log" 2>&1 || { grep -E "error|Error" "$RES/build.log" | head -40; }
   echo "build: $(( $(date +%s) - start )) s"
@@ -36,6 +43,20 @@ fi
 if has python; then
   start=$(date +%s)
   (cd "$SRC" && timeout "${PYTHON_TIMEOUT:-300}" bash scripts/python_test >"$RES/python.log" 2>&1; echo "python rc=$? $(( $(date +%s) - start )) s"; tail -4 "$RES/python.log")
+fi
+
+# The Python suite on the extension the build step made (no pip install, no second compile of
+# the kernels): a copy of python/switchyard with _ext added, on PYTHONPATH.
+if has pyfast; then
+  start=$(date +%s)
+  ext=$(ls "$B"/python/_ext*.so 2>/dev/null | head -1)
+  if [ -z "$ext" ]; then
+    echo "pyfast: no _ext module in $B/python (the build step found no nanobind)"
+  else
+    rm -rf /tmp/sy_pkg && mkdir -p /tmp/sy_pkg && cp -r "$SRC/python/switchyard" /tmp/sy_pkg/ && cp "$ext" /tmp/sy_pkg/switchyard/
+    (cd "$SRC" && PYTHONPATH=/tmp/sy_pkg timeout "${PYTHON_TIMEOUT:-300}" python3 -m pytest tests/python -q -rs \
+      >"$RES/python.log" 2>&1; echo "python (build-tree extension) rc=$? $(( $(date +%s) - start )) s"; tail -4 "$RES/python.log")
+  fi
 fi
 
 if has cli; then

@@ -119,6 +119,7 @@ struct CpuGroup::State {
   std::vector<const CombineInputs*> combine_in;
   std::vector<std::string> error;           // argument error of each rank ("" = fine)
   std::vector<std::vector<std::int64_t>> send_count;  // [R][R] tokens s sends to d
+  std::vector<const std::vector<char>*> goes;         // [R] each source's [T,R] destinations
   std::vector<std::shared_ptr<const Handle::Plan>> posted_plan;  // reuse: each rank's handle
   std::vector<char> reuse;
   std::shared_ptr<Handle::Plan> plan;       // being built by this dispatch
@@ -200,6 +201,7 @@ Status CpuGroup::create(const GroupConfig& config, std::unique_ptr<CpuGroup>* gr
   s->combine_in.assign(R, nullptr);
   s->error.assign(R, std::string());
   s->send_count.assign(R, std::vector<std::int64_t>(R, 0));
+  s->goes.assign(R, nullptr);
   s->posted_plan.assign(R, nullptr);
   s->reuse.assign(R, 0);
   s->partial.assign(R, std::vector<float>());
@@ -218,6 +220,15 @@ std::string CpuGroup::broken_reason() const {
 // Dispatch.
 
 namespace {
+
+// The rank owning global expert e (contiguous blocks of L experts), or -1 for ids outside [0, E).
+int owner_of(std::int64_t e, std::int64_t E, int L) { return (e >= 0 && e < E) ? static_cast<int>(e / L) : -1; }
+
+Status check_rank(const char* op, int rank, int num_ranks) {
+  if (rank >= 0 && rank < num_ranks) return Status::Ok();
+  return Status::InvalidArgument(std::string(op) + ": argument 'rank' = " + std::to_string(rank) +
+                                 ", must be in [0, " + std::to_string(num_ranks) + ")");
+}
 
 std::int64_t load_id(const TensorView& ids, std::int64_t i) {
   return ids.dtype == DType::kInt64 ? static_cast<const std::int64_t*>(ids.data)[i]
@@ -295,10 +306,7 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
                           bool reuse) {
   State& s = *state_;
   const GroupConfig& c = s.config;
-  if (rank < 0 || rank >= c.num_ranks) {
-    return Status::InvalidArgument("ep dispatch: argument 'rank' = " + std::to_string(rank) +
-                                   ", must be in [0, " + std::to_string(c.num_ranks) + ")");
-  }
+  SY_RETURN_IF_ERROR(check_rank("ep dispatch", rank, c.num_ranks));
   if (handle == nullptr) return Status::InvalidArgument("ep dispatch: argument 'handle' is null");
   const int R = c.num_ranks;
   const int K = c.top_k;
@@ -311,20 +319,18 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
   Status own = check_dispatch(c, check, in, out);
   std::vector<std::int64_t> send(R, 0);
   std::vector<std::int64_t> ids;
+  std::vector<char> goes;  // [T,R]: token t goes to rank d (read by the peers, as destinations)
   if (own.ok()) {
     const std::int64_t T = in.x.shape[0];
     ids.resize(static_cast<std::size_t>(T * K));
-    for (std::int64_t i = 0; i < T * K; ++i) ids[static_cast<std::size_t>(i)] = load_id(in.topk_ids, i);
-    for (std::int64_t t = 0; t < T; ++t) {
-      for (int d = 0; d < R; ++d) {
-        bool goes = false;
-        for (int k = 0; k < K; ++k) {
-          const std::int64_t e = ids[static_cast<std::size_t>(t * K + k)];
-          goes = goes || (e >= 0 && e < E && e / L == d);
-        }
-        send[d] += goes ? 1 : 0;
-      }
+    goes.assign(static_cast<std::size_t>(T * R), 0);
+    for (std::int64_t i = 0; i < T * K; ++i) {
+      ids[static_cast<std::size_t>(i)] = load_id(in.topk_ids, i);
+      const int d = owner_of(ids[static_cast<std::size_t>(i)], E, L);
+      if (d >= 0) goes[static_cast<std::size_t>((i / K) * R + d)] = 1;
     }
+    for (std::int64_t t = 0; t < T; ++t)
+      for (int d = 0; d < R; ++d) send[d] += goes[static_cast<std::size_t>(t * R + d)];
     if (reuse) {
       if (!handle->valid() || handle->plan->group != &s) {
         own = check.fail_arg("handle", "reuse asked for, but the handle is not from a dispatch of this group");
@@ -340,6 +346,7 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
     s.out[rank] = &out;
     s.error[rank] = own.ok() ? std::string() : own.message();
     s.send_count[rank] = send;
+    s.goes[rank] = &goes;
     s.reuse[rank] = reuse ? 1 : 0;
     s.posted_plan[rank] = reuse ? handle->plan : nullptr;
   }
@@ -382,13 +389,9 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
     const std::int64_t T = pin.x.shape[0];
     const auto* px = static_cast<const unsigned char*>(pin.x.data);
     const auto* pw = static_cast<const float*>(pin.topk_weights.data);
+    const std::vector<char>& pgoes = *s.goes[src];
     for (std::int64_t t = 0; t < T; ++t) {
-      bool mine_token = false;
-      for (int k = 0; k < K; ++k) {
-        const std::int64_t e = load_id(pin.topk_ids, t * K + k);
-        mine_token = mine_token || (e >= 0 && e < E && e / L == rank);
-      }
-      if (!mine_token) continue;
+      if (!pgoes[static_cast<std::size_t>(t * R + rank)]) continue;
       std::memcpy(ox + static_cast<std::size_t>(row) * row_bytes,
                   px + static_cast<std::size_t>(t * pin.x.strides[0]) * elem, row_bytes);
       if (c.scale_cols > 0) {
@@ -398,7 +401,7 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
       }
       for (int k = 0; k < K; ++k) {
         const std::int64_t e = load_id(pin.topk_ids, t * K + k);
-        const std::int32_t local = (e >= 0 && e < E && e / L == rank) ? static_cast<std::int32_t>(e - rank * L) : -1;
+        const std::int32_t local = owner_of(e, E, L) == rank ? static_cast<std::int32_t>(e - rank * L) : -1;
         mine.local_ids[static_cast<std::size_t>(row * K + k)] = local;
         mine.weights[static_cast<std::size_t>(row * K + k)] = pw[t * K + k];
       }
@@ -421,19 +424,14 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
   std::int64_t sent = 0, dropped = 0;
   for (std::int64_t t = 0; t < T; ++t) {
     for (int d = 0; d < R; ++d) {
-      bool goes = false;
-      for (int k = 0; k < K; ++k) {
-        const std::int64_t e = ids[static_cast<std::size_t>(t * K + k)];
-        goes = goes || (e >= 0 && e < E && e / L == d);
-      }
-      if (goes) {
+      if (goes[static_cast<std::size_t>(t * R + d)]) {
         mine.dest_row[static_cast<std::size_t>(t * R + d)] = static_cast<std::int32_t>(next[d]++);
         ++sent;
       }
     }
     for (int k = 0; k < K; ++k) {
       const std::int64_t e = ids[static_cast<std::size_t>(t * K + k)];
-      dropped += (e != -1 && (e < 0 || e >= E)) ? 1 : 0;
+      dropped += (e != -1 && owner_of(e, E, L) < 0) ? 1 : 0;
     }
   }
   auto* stats = static_cast<std::int64_t*>(out.stats.data);
@@ -505,10 +503,7 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
                          bool accumulate) {
   State& s = *state_;
   const GroupConfig& c = s.config;
-  if (rank < 0 || rank >= c.num_ranks) {
-    return Status::InvalidArgument("ep combine: argument 'rank' = " + std::to_string(rank) +
-                                   ", must be in [0, " + std::to_string(c.num_ranks) + ")");
-  }
+  SY_RETURN_IF_ERROR(check_rank("ep combine", rank, c.num_ranks));
   const int R = c.num_ranks;
   const int K = c.top_k;
   const std::int64_t H = c.hidden;

@@ -91,7 +91,7 @@ if has sanitize; then
       filt="${!var:-${SANITIZE_FILTER:-$def}}"
       timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
         "$B/tests/$t" --gtest_brief=1 --gtest_filter="$filt" >"$RES/san_${tool}_$t.log" 2>&1
-      echo "compute-sanitizer $tool $t rc=$? $(grep -E 'ERROR SUMMARY' "$RES/san_${tool}_$t.log" | tail -1)"
+      echo "compute-sanitizer $tool $t rc=$? $(grep -E '(ERROR|RACECHECK) SUMMARY' "$RES/san_${tool}_$t.log" | tail -1)"
     done
   done
 fi

@@ -488,17 +488,66 @@ TEST(LayoutCuda, PathBoundaries) {
     check_case(random_case(T, 256, K, g), g());
     if (HasFatalFailure()) return;
   }
-  // The one-block path holds 18 * L + 1 int32 of shared memory, at most 160 KB: L <= 2275; the
-  // cluster path 20 * L + 2: L <= 2047.
-  for (const int E : {2047, 2048, 2275, 2276}) {
-    for (const std::int64_t T : {3, 600, 2048, 4000}) {
-      Case c = random_case(T, E, 8, g);
-      c.local = LocalKind::kAll;
-      c.start = 0;
-      c.count = -1;
-      c.stride = 1;
-      check_case(c, g());
-      if (HasFatalFailure()) return;
+  // The one-block path holds 18 * L + 1 int32 of shared memory, at most 160 KB: L <= 2275. The
+  // cluster path holds 21 * L + 2 + 2 * chunk (chunk = ceil(N / blocks) to whole 32s): for
+  // N = 4800 (8 blocks, chunk 608) L <= 1892, for N = 16384 (16 blocks, chunk 1024) L <= 1852.
+  // Both sides of each boundary, where the next path takes over.
+  const std::pair<std::int64_t, int> boundaries[] = {{3, 2275},   {3, 2276},    {600, 1892}, {600, 1893},
+                                                     {2048, 1852}, {2048, 1853}, {4000, 2047}, {4000, 2048}};
+  for (const auto& [T, E] : boundaries) {
+    Case c = random_case(T, E, 8, g);
+    c.local = LocalKind::kAll;
+    c.start = 0;
+    c.count = -1;
+    c.stride = 1;
+    check_case(c, g());
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Sets an environment variable for the scope (and restores the previous state).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// Every path on the same shapes (SWITCHYARD_LAYOUT_PATH forces one where it fits): the one-launch
+// kernels far past the sizes the default selection gives them, so each is checked on its own.
+TEST(LayoutCuda, ForcedPathsMatchCpu) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  const std::pair<std::int64_t, int> shapes[] = {{1, 8},     {31, 3},    {512, 8},    {1000, 4},   {4096, 1},
+                                                 {1537, 8},  {4096, 8},  {3001, 10},  {8192, 8},  {6553, 10},
+                                                 {65536, 1}, {40000, 1}, {2047, 16}};
+  for (const char* path : {"one_block", "cluster8", "cluster16", "chunked"}) {
+    SCOPED_TRACE(std::string("SWITCHYARD_LAYOUT_PATH=") + path);
+    const ScopedEnv env("SWITCHYARD_LAYOUT_PATH", path);
+    for (const auto& [T, K] : shapes) {
+      for (const int E : {256, 61}) {
+        check_case(random_case(T, E, K, g), g());
+        if (HasFatalFailure()) return;
+      }
     }
   }
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 
@@ -19,15 +20,17 @@ namespace {
 using layout_detail::LayoutParams;
 
 // Path selection, by the number of picks N = T*K (one_launch_layout_kernel.cuh while its shared
-// memory fits, L <= 2275 for one block and L <= 2047 for the cluster):
-//   N <= kOneBlockMaxPicks:   one_block_layout_kernel, one launch, every block ranks all picks;
-//   N <= kClusterMaxPicks:    cluster_layout_kernel, one launch of one 8-block cluster;
-//   else (or L too large):    the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
+// memory fits):
+//   N <= kOneBlockMaxPicks:    one_block_layout_kernel, one launch, every block ranks all picks;
+//   N <= kCluster8MaxPicks:    cluster_layout_kernel<8>, one launch of one 8-block cluster;
+//   N <= kCluster16MaxPicks:   cluster_layout_kernel<16>, one 16-block cluster (where the device
+//                              can schedule one; else the next path that fits);
+//   else (or L too large):     the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
+// SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|chunked (environment, read per call) forces
+// a path where it fits the call: a tuning and testing knob, not needed for correct results.
 constexpr long long kOneBlockMaxPicks = 4096;
-// Measured on the H200 (E=256 K=8 M=128): the cluster kernel takes 7.7 us at N = 8192 (chunked
-// pipeline: 9.6) but 16.7 / 28.7 us at N = 32768 / 65536 (chunked: 11.7 / 12.2): each SM then
-// ranks 4096+ picks and scatters their rows uncoalesced; so it serves N <= 12288 only.
-constexpr long long kClusterMaxPicks = 12288;
+constexpr long long kCluster8MaxPicks = 12288;
+constexpr long long kCluster16MaxPicks = 65536;  // ITEMS <= 8: 16 warps x 8 x 32 picks per block
 // One-block path: blocks split the writes, about this many rows (of the row capacity) each; each
 // one repeats the (short, parallel) ranking of all N <= 4096 picks, reading the ids from L2.
 // Measured on the H200 (E=256 K=8 M=128, T = 16 / 128 / 256): 3.31 / 4.15 / 5.14 us with 2048 rows
@@ -165,9 +168,12 @@ bool one_block_fits(const LayoutParams& p) {
          layout_detail::one_launch_smem_bytes(p.num_local, false) <= layout_detail::kOneMaxSmem;
 }
 
-bool cluster_fits(const LayoutParams& p) {
-  return p.num_picks <= kClusterMaxPicks &&
-         layout_detail::one_launch_smem_bytes(p.num_local, true) <= layout_detail::kOneMaxSmem;
+std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
+  return layout_detail::one_launch_smem_bytes(p.num_local, true, layout_detail::cluster_chunk(p.num_picks, blocks));
+}
+
+bool cluster_fits(const LayoutParams& p, int blocks, long long max_picks) {
+  return p.num_picks <= max_picks && cluster_smem_bytes(p, blocks) <= layout_detail::kOneMaxSmem;
 }
 
 template <int ITEMS, typename Id>
@@ -179,7 +185,7 @@ Status launch_one_block_config(const LayoutParams& p, cudaStream_t stream) {
       dim3(layout_detail::kOneThreads), layout_detail::one_launch_smem_bytes(p.num_local, false), stream, p);
 }
 
-// ITEMS = groups of 32 picks per warp: a block ranks N (one block) or N / 8 (cluster) picks.
+// ITEMS = groups of 32 picks per warp: a block ranks N (one block) or N / CB (cluster) picks.
 template <typename Id>
 Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
   constexpr int kThreads = layout_detail::kOneThreads;
@@ -188,20 +194,79 @@ Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
   return launch_one_block_config<8, Id>(p, stream);
 }
 
-template <int ITEMS, typename Id>
-Status launch_cluster_config(const LayoutParams& p, cudaStream_t stream) {
-  return launch<layout_detail::cluster_layout_kernel<ITEMS, Id>>(
-      "layout: cluster_layout_kernel", dim3(layout_detail::kClusterBlocks), dim3(layout_detail::kOneThreads),
-      layout_detail::one_launch_smem_bytes(p.num_local, true), stream, p);
+// One cluster of CB blocks: the cluster dimension is a launch attribute (with PDL), and CB = 16
+// needs the non-portable opt-in.
+template <auto kKernel, int CB>
+Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream_t stream) {
+  const char* name = "layout: cluster_layout_kernel";
+  cudaError_t err = allow_dynamic_smem<kKernel>(smem);
+  if (err == cudaSuccess && CB > layout_detail::kClusterBlocksPortable)
+    err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (err != cudaSuccess) return cuda_status(name, err);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(CB);
+  config.blockDim = dim3(layout_detail::kOneThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  attribute[1].id = cudaLaunchAttributeClusterDimension;
+  attribute[1].val.clusterDim.x = CB;
+  attribute[1].val.clusterDim.y = 1;
+  attribute[1].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 2;
+  return cuda_status(name, cudaLaunchKernelEx(&config, kKernel, p));
 }
 
-template <typename Id>
+template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& p, cudaStream_t stream) {
-  // Chunks of at most kClusterMaxPicks / 8 picks: 4 groups of 32 per warp.
-  static_assert(
-      (kClusterMaxPicks / layout_detail::kClusterBlocks + 31) / 32 * 32 <= layout_detail::kOneThreads * 4,
-      "the cluster kernel's chunk must fit ITEMS = 4");
-  return launch_cluster_config<4, Id>(p, stream);
+  constexpr int kThreads = layout_detail::kOneThreads;
+  const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
+  const std::size_t smem = cluster_smem_bytes(p, CB);
+  if (chunk <= kThreads * 1)
+    return launch_cluster_kernel<layout_detail::cluster_layout_kernel<1, CB, Id>, CB>(p, smem, stream);
+  if (chunk <= kThreads * 2)
+    return launch_cluster_kernel<layout_detail::cluster_layout_kernel<2, CB, Id>, CB>(p, smem, stream);
+  if (chunk <= kThreads * 4)
+    return launch_cluster_kernel<layout_detail::cluster_layout_kernel<4, CB, Id>, CB>(p, smem, stream);
+  return launch_cluster_kernel<layout_detail::cluster_layout_kernel<8, CB, Id>, CB>(p, smem, stream);
+}
+
+// Whether this device can run one 16-block cluster of the layout kernel with this much shared
+// memory (asked once per device and shared-memory size class; a cluster needs 16 free SMs of one
+// GPC). Any error reads as "no".
+template <typename Id>
+bool cluster16_schedulable(std::size_t smem) {
+  constexpr auto kKernel = layout_detail::cluster_layout_kernel<8, 16, Id>;
+  static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;
+  const int cls = smem > 64 * 1024 ? 1 : 0;
+  const int known = cache[device][cls].load(std::memory_order_relaxed);
+  if (known != 0) return known == 1;
+  const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
+  bool ok = allow_dynamic_smem<kKernel>(probe) == cudaSuccess &&
+            cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
+  if (ok) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(16);
+    config.blockDim = dim3(layout_detail::kOneThreads);
+    config.dynamicSmemBytes = probe;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = 16;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    ok = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config) == cudaSuccess && clusters > 0;
+  }
+  (void)cudaGetLastError();  // a refused probe leaves no sticky error for the caller
+  cache[device][cls].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
 }
 
 template <typename Id>
@@ -233,14 +298,53 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
                          layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
+// The paths of several kernels: one sorting kernel (N <= kSmallMaxPicks), else histogram, scan
+// and scatter kernels over chunks.
 template <typename Id>
-Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
-  const LayoutParams p = make_params(a);
-  if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
-  if (cluster_fits(p)) return launch_cluster<Id>(p, stream);
+Status launch_multi_kernel(const LayoutParams& p, const detail::LayoutArgs& a, cudaStream_t stream) {
   if (p.num_picks <= kSmallMaxPicks) return launch_small<Id>(p, stream);
   if (p.num_picks <= kMediumMaxPicks) return launch_chunked<kMediumThreads, kMediumItems, Id>(p, a, stream);
   return launch_chunked<kLargeThreads, kLargeItems, Id>(p, a, stream);
+}
+
+enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kChunked };
+
+ForcedPath forced_path() {
+  const char* v = std::getenv("SWITCHYARD_LAYOUT_PATH");
+  if (v == nullptr) return ForcedPath::kNone;
+  const std::string s(v);
+  if (s == "one_block") return ForcedPath::kOneBlock;
+  if (s == "cluster8") return ForcedPath::kCluster8;
+  if (s == "cluster16") return ForcedPath::kCluster16;
+  if (s == "chunked") return ForcedPath::kChunked;
+  return ForcedPath::kNone;
+}
+
+template <typename Id>
+Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
+  const LayoutParams p = make_params(a);
+  const auto cluster16_fits = [&] {
+    return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
+  };
+  switch (forced_path()) {
+    case ForcedPath::kOneBlock:
+      if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
+      break;
+    case ForcedPath::kCluster8:  // up to 8 groups of 32 picks per warp
+      if (cluster_fits(p, 8, kCluster16MaxPicks / 2)) return launch_cluster<8, Id>(p, stream);
+      break;
+    case ForcedPath::kCluster16:
+      if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
+      break;
+    case ForcedPath::kChunked:
+      return launch_multi_kernel<Id>(p, a, stream);
+    case ForcedPath::kNone:
+      break;
+  }
+  if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
+  if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
+  if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
+  return launch_multi_kernel<Id>(p, a, stream);
 }
 
 }  // namespace

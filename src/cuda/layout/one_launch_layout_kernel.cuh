@@ -18,18 +18,21 @@
 //    parallel) and writes only its slices: rows [r0, r1) (sentinels, then the real rows that fall
 //    there), tiles, picks x (expanded_to_permuted) and experts (counts, offsets). No block waits
 //    for another.
-//  * cluster_layout_kernel (medium N): ONE thread-block cluster of kClusterBlocks blocks; block b
+//  * cluster_layout_kernel<CB> (medium N): ONE thread-block cluster of CB = 8 or 16 blocks; block b
 //    ranks chunk b of the picks (contiguous in x). Each block publishes its per-expert counts in
 //    shared memory; after a cluster barrier every block reads all of them through distributed
 //    shared memory (before[l] = picks of l in earlier chunks, counts[l] = the sum), scans the
-//    padded counts itself, and writes the rows of its own picks. Blocks exit only after every
-//    block has read their counts (second cluster barrier, split arrive/wait).
+//    padded counts itself, and writes the rows of its own picks. Those rows are staged in shared
+//    memory in expert order first (the block's picks of expert l fill one contiguous run of rows),
+//    so that the global stores of consecutive threads hit consecutive rows: written straight from
+//    the ranking, every pick was its own uncoalesced store, which made the cluster form slower
+//    than the 3-launch pipeline past ~12k picks. Blocks exit only after every block has read
+//    their counts (second cluster barrier, split arrive/wait).
 //
 // Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 3.2 / 3.2 / 4.0 / 5.0 us at
-// T = 1 / 16 / 128 / 256; cluster 7.2 us at T = 1024. Under ncu both are latency/issue bound
-// (IPC 1.2-1.7 with 16 warps per SM, ~1000 instructions per warp at T = 256, a third of them the
-// 32-pick ranking rounds). The cluster form does not scale past ~12k picks: each SM then scatters
-// thousands of uncoalesced row stores, and the cluster barrier's release waits for the fill stores.
+// T = 1 / 16 / 128 / 256; 8-block cluster (before the staged writes) 7.2 us at T = 1024. Under ncu
+// both are latency/issue bound (IPC 1.2-1.7 with 16 warps per SM, ~1000 instructions per warp at
+// T = 256, a third of them the 32-pick ranking rounds).
 //
 // Deterministic: the only atomics add up the dropped count (a sum, order-free); ranks come from
 // ballots within 32 picks (match_key) and per-warp running counts owned by one warp.
@@ -69,13 +72,25 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 constexpr int kOneThreads = 512;
 constexpr int kOneWarps = kOneThreads / 32;
 static_assert(kOneWarps % 4 == 0, "the histogram is zeroed with 16-byte stores");
-constexpr int kClusterBlocks = 8;  // portable cluster size: always schedulable on sm_90
+// Cluster sizes: 8 is portable (always schedulable on sm_90); 16 needs the non-portable opt-in
+// and a GPC with 16 free SMs (H100 / H200 have them; the launcher checks).
+constexpr int kClusterBlocksPortable = 8;
+constexpr int kClusterBlocksMax = 16;
 constexpr std::size_t kOneMaxSmem = 160 * 1024;
 
+// Picks ranked by each block of a CB-block cluster: ceil(N / CB) rounded up to whole warps' groups.
+__host__ __device__ inline constexpr int cluster_chunk(int N, int CB) {
+  return ((N + CB - 1) / CB + 31) / 32 * 32;
+}
+
 // Dynamic shared memory (int32): hist[kOneWarps][L], offs[L + 1], ends[L]; the cluster form adds
-// base[L] (row of the block's first pick of l) and block_counts[L + 1] ([L] = dropped ids).
-__host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster) {
-  return (static_cast<std::size_t>(kOneWarps + 2 + (cluster ? 2 : 0)) * L + 1 + (cluster ? 1 : 0)) * 4;
+// base[L] (row of the block's first pick of l), block_counts[L + 1] ([L] = dropped ids),
+// lstart[L] (the block's first staged pick of l) and the staging arrays stage_x[chunk],
+// stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form).
+__host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0) {
+  return (static_cast<std::size_t>(kOneWarps + 2 + (cluster ? 3 : 0)) * L + 1 + (cluster ? 1 : 0) +
+          (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
+         4;
 }
 
 // part_range in 32-bit arithmetic (n < 2^31 and parts <= 2^10, so per * parts < 2^32): the 64-bit
@@ -87,7 +102,10 @@ __device__ __forceinline__ void part_range32(int n, int part, int parts, int& be
 }
 
 struct OneShared {
-  cub::BlockScan<int, kOneThreads>::TempStorage scan;
+  union {
+    cub::BlockScan<int, kOneThreads>::TempStorage scan;
+    cub::BlockScan<long long, kOneThreads>::TempStorage scan64;  // cluster form: two sums at once
+  };
   int dropped;
 };
 
@@ -98,9 +116,11 @@ __device__ __forceinline__ int padded_count32(int c, std::uint32_t m) {
 }
 
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
-// before pdl_wait(). In the cluster form gridDim.x == kClusterBlocks (one cluster).
-template <int ITEMS, bool kCluster, typename Id>
+// before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
+// cluster of CB blocks).
+template <int ITEMS, int CB, typename Id>
 __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
+  constexpr bool kCluster = CB > 0;
   const int L = p.num_local;
   const int N = p.num_picks;
   const int tid = static_cast<int>(threadIdx.x);
@@ -113,6 +133,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int* ends = offs + L + 1;                        // [L]
   int* base = kCluster ? ends + L : offs;          // [L]
   int* block_counts = kCluster ? base + L : ends;  // [L + 1] (cluster form only)
+  int* lstart = block_counts + L + 1;              // [L] (cluster form only)
+  int* stage_x = lstart + L;                       // [chunk] (cluster form only)
 
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
   for (int i = tid; i < kOneWarps / 4 * L; i += kOneThreads)
@@ -124,11 +146,13 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   // The picks this block ranks: all of them, or chunk `block` (a multiple of 32 picks long).
   int c0 = 0;
   int c1 = N;
+  int chunk = 0;
   if constexpr (kCluster) {
-    const int chunk = (ceil_div_int(N, kClusterBlocks) + 31) & ~31;
+    chunk = cluster_chunk(N, CB);
     c0 = min(N, block * chunk);
     c1 = min(N, c0 + chunk);
   }
+  int* stage_row = stage_x + chunk;  // [chunk] (cluster form only)
   // Groups of 32 picks: warp w owns groups [w * per_warp, (w + 1) * per_warp) of the chunk.
   const int groups = (c1 - c0 + 31) >> 5;
   const int per_warp = (groups + kOneWarps - 1) / kOneWarps;  // <= ITEMS
@@ -208,17 +232,17 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     if (tid == 0) block_counts[L] = sh.dropped;
     cg::this_cluster().sync();  // every block's counts are published; every row fill is done
     // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks.
-    const int* remote[kClusterBlocks];
+    const int* remote[CB];
 #pragma unroll
-    for (int b = 0; b < kClusterBlocks; ++b) remote[b] = cg::this_cluster().map_shared_rank(block_counts, b);
+    for (int b = 0; b < CB; ++b) remote[b] = cg::this_cluster().map_shared_rank(block_counts, b);
     for (int l = e_begin; l < e_end; ++l) {
-      int v[kClusterBlocks];
+      int v[CB];
 #pragma unroll
-      for (int b = 0; b < kClusterBlocks; ++b) v[b] = remote[b][l];
+      for (int b = 0; b < CB; ++b) v[b] = remote[b][l];
       int before = 0;
       int c = 0;
 #pragma unroll
-      for (int b = 0; b < kClusterBlocks; ++b) {
+      for (int b = 0; b < CB; ++b) {
         before += b < block ? v[b] : 0;
         c += v[b];
       }
@@ -227,22 +251,34 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     }
     if (block == 0 && tid == 0) {
 #pragma unroll
-      for (int b = 0; b < kClusterBlocks; ++b) dropped_total += remote[b][L];
+      for (int b = 0; b < CB; ++b) dropped_total += remote[b][L];
     }
   } else {
     dropped_total = sh.dropped;
   }
 
-  // 3. Offsets: one scan of the padded counts.
+  // 3. Offsets: one scan of the padded counts (the cluster form also scans the block's own counts
+  //    in the low half of a 64-bit sum: lstart, where its picks of each expert start in the stage).
   const std::uint32_t Mu = static_cast<std::uint32_t>(M);
-  int run_sum = 0;
+  long long run_sum = 0;
   for (int l = e_begin; l < e_end; ++l) {
     const int padded = padded_count32(ends[l], Mu);
     offs[l] = padded;  // kept for the second pass (one division per expert)
-    run_sum += padded;
+    run_sum += kCluster ? (static_cast<long long>(padded) << 32) + block_counts[l] : padded;
   }
   int prefix, padded_total;
-  cub::BlockScan<int, kOneThreads>(sh.scan).ExclusiveSum(run_sum, prefix, padded_total);
+  int lprefix = 0;  // cluster form: the block's picks of experts before l
+  int placed = 0;   // cluster form: the block's picks that get a row
+  if constexpr (kCluster) {
+    long long prefix64, total64;
+    cub::BlockScan<long long, kOneThreads>(sh.scan64).ExclusiveSum(run_sum, prefix64, total64);
+    prefix = static_cast<int>(prefix64 >> 32);
+    lprefix = static_cast<int>(prefix64 & 0xffffffffLL);
+    padded_total = static_cast<int>(total64 >> 32);
+    placed = static_cast<int>(total64 & 0xffffffffLL);
+  } else {
+    cub::BlockScan<int, kOneThreads>(sh.scan).ExclusiveSum(static_cast<int>(run_sum), prefix, padded_total);
+  }
   int l0, l1;  // this block's slice of experts (counts, offsets)
   part_range32(L, block, blocks, l0, l1);
   for (int l = e_begin; l < e_end; ++l) {
@@ -250,7 +286,11 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     const int padded = offs[l];
     offs[l] = prefix;
     ends[l] = prefix + c;
-    if constexpr (kCluster) base[l] += prefix;
+    if constexpr (kCluster) {
+      base[l] += prefix;
+      lstart[l] = lprefix;
+      lprefix += block_counts[l];
+    }
     if (l >= l0 && l < l1) {
       p.counts[l] = c;
       p.offsets[l] = prefix;
@@ -272,13 +312,17 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   __syncthreads();  // offs, ends, base complete; this block's fills are ordered before what follows
 
   // 4a. The real rows (the one-block form: those in its row slice; it ranked every pick) and
-  //     expanded_to_permuted (the one-block form: its x slice).
+  //     expanded_to_permuted (the one-block form: its x slice). The cluster form stages its rows
+  //     in expert order and stores them below, coalesced.
   int x0 = c0;
   int x1 = c1;
   if constexpr (!kCluster) part_range32(N, block, blocks, x0, x1);
-  // t = x / K as a multiply-high: exact for x * K < 2^32, true here (x < N <= 12288, K <= N).
+  // t = x / K as a multiply-high: exact for x * K < 2^32, true here (x < N <= 65536 and K <= N).
   const std::uint32_t K = static_cast<std::uint32_t>(p.top_k);
   const std::uint32_t k_magic = K == 1 ? 0u : 0xffffffffu / K + 1;
+  const auto token_of = [&](int x) {
+    return K == 1 ? x : static_cast<int>(__umulhi(static_cast<std::uint32_t>(x), k_magic));
+  };
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     const int x = c0 + (group0 + j) * 32 + lane;
@@ -286,14 +330,27 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       const int key = packed[j] >> 16;
       int row = -1;
       if (key < L) {
-        row = base[key] + my_hist[key] + (packed[j] & 0xffff);
-        if (kCluster || (row >= r0 && row < r1)) {
+        const int within = my_hist[key] + (packed[j] & 0xffff);  // the block's earlier picks of l
+        row = base[key] + within;
+        if constexpr (kCluster) {
+          const int s = lstart[key] + within;
+          stage_x[s] = x;
+          stage_row[s] = row;
+        } else if (row >= r0 && row < r1) {
           p.permuted_to_expanded[row] = x;
-          p.permuted_to_token[row] =
-              K == 1 ? x : static_cast<int>(__umulhi(static_cast<std::uint32_t>(x), k_magic));
+          p.permuted_to_token[row] = token_of(x);
         }
       }
       if (x >= x0 && x < x1) p.expanded_to_permuted[x] = row;
+    }
+  }
+  if constexpr (kCluster) {
+    __syncthreads();  // staged
+    for (int s = tid; s < placed; s += kOneThreads) {
+      const int x = stage_x[s];
+      const int row = stage_row[s];
+      p.permuted_to_expanded[row] = x;
+      p.permuted_to_token[row] = token_of(x);
     }
   }
 
@@ -324,15 +381,15 @@ template <int ITEMS, typename Id>
 __global__ void __launch_bounds__(kOneThreads, 1) one_block_layout_kernel(const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
-  one_launch_layout<ITEMS, false, Id>(p, sh, one_dyn);
+  one_launch_layout<ITEMS, 0, Id>(p, sh, one_dyn);
 }
 
-template <int ITEMS, typename Id>
-__global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kOneThreads, 1)
-    cluster_layout_kernel(const LayoutParams p) {
+// Launched as one cluster of CB blocks (the cluster dimension is a launch attribute, see layout.cu).
+template <int ITEMS, int CB, typename Id>
+__global__ void __launch_bounds__(kOneThreads, 1) cluster_layout_kernel(const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
-  one_launch_layout<ITEMS, true, Id>(p, sh, one_dyn);
+  one_launch_layout<ITEMS, CB, Id>(p, sh, one_dyn);
 }
 
 }  // namespace switchyard::cuda::layout_detail

@@ -489,11 +489,11 @@ TEST(LayoutCuda, PathBoundaries) {
     if (HasFatalFailure()) return;
   }
   // The one-block path holds 18 * L + 1 int32 of shared memory, at most 160 KB: L <= 2275. The
-  // cluster path holds 21 * L + 2 + 2 * chunk (chunk = ceil(N / blocks) to whole 32s): for
-  // N = 4800 (8 blocks, chunk 608) L <= 1892, for N = 16384 (16 blocks, chunk 1024) L <= 1852.
-  // Both sides of each boundary, where the next path takes over.
-  const std::pair<std::int64_t, int> boundaries[] = {{3, 2275},   {3, 2276},    {600, 1892}, {600, 1893},
-                                                     {2048, 1852}, {2048, 1853}, {4000, 2047}, {4000, 2048}};
+  // 16-block cluster path holds 21 * L + 2 + 2 * chunk (chunk = ceil(N / 16) to whole 32s): for
+  // N = 4800 (chunk 320) L <= 1919, for N = 16384 (chunk 1024) L <= 1852, for N = 32000 (chunk
+  // 2016) L <= 1758. Both sides of each boundary, where the next path takes over.
+  const std::pair<std::int64_t, int> boundaries[] = {{3, 2275},    {3, 2276},    {600, 1919},  {600, 1920},
+                                                     {2048, 1852}, {2048, 1853}, {4000, 1758}, {4000, 1759}};
   for (const auto& [T, E] : boundaries) {
     Case c = random_case(T, E, 8, g);
     c.local = LocalKind::kAll;

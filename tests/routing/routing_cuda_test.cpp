@@ -44,6 +44,10 @@ enum class Kind {
   kWide,     // N(0, 40): exp/sigmoid arguments past the fast range, huge/tiny softmax terms
   kTied,     // four levels: many exact ties in scores, group scores and weights
   kSpecial,  // NaN, +-inf, -0, huge, subnormal values, and whole rows of them
+  // The best values of a row in the experts of one lane (e with (e / 4) % 32 == l: the lane
+  // layout of route_warp.cuh), on 3 tied levels, sometimes tied with one expert of another lane:
+  // one lane holds more picks than its candidate buffer, and ties meet the K-th pick.
+  kLaneHeavy,
 };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -55,6 +59,8 @@ const char* kind_name(Kind k) {
       return "tied";
     case Kind::kSpecial:
       return "special";
+    case Kind::kLaneHeavy:
+      return "lane-heavy";
   }
   return "?";
 }
@@ -107,6 +113,18 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
       return sy_test::random_normal(n, seed, 40.0f);
     case Kind::kTied:
       return sy_test::random_tied(n, seed, 4);
+    case Kind::kLaneHeavy: {
+      std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
+      std::mt19937_64 g(seed ^ 0x5bd1e995u);
+      for (std::int64_t t = 0; t < T; ++t) {
+        float* row = v.data() + t * E;
+        const int lane = static_cast<int>(g() % 32);
+        for (int e = 0; e < E; ++e)
+          if ((e / 4) % 32 == lane) row[e] = 4.0f + 0.5f * static_cast<float>(g() % 3);
+        if (g() % 4 == 0) row[g() % E] = 4.5f;  // maybe a tie from another lane
+      }
+      return v;
+    }
     case Kind::kSpecial:
       break;
   }
@@ -511,6 +529,34 @@ TEST(RoutingCuda, TieHeavy) {
       c.bias = (i % 2) == 1;
       c.T = large_t(i, 333);
       c.kind = Kind::kTied;
+      c.logits_dtype = kLogitDtypes[i % 3];
+      vary(c, i);
+      ++i;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Picks concentrated in one lane's experts (more than its candidate buffer holds), with ties at
+// the K-th pick: the top-K fast pass must hand over to the exact rounds at the right pick.
+TEST(RoutingCuda, LaneHeavy) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int E : {8, 40, 64, 96, 160, 256, 384, 512, 640, 1000, 2048}) {
+    for (int K : {1, 2, 3, 5, 8, 10, 17, 32}) {
+      if (K > E) continue;
+      Case c;
+      c.config = make_config(E, K, static_cast<PreFn>(i % 3), static_cast<PostFn>((i + 1) % 4));
+      if (E % 8 == 0 && K <= E / 2 && i % 3 == 0) {
+        c.config.group_rule = static_cast<GroupRule>(1 + i % 3);
+        c.config.n_group = 8;
+        c.config.topk_group = 4;
+        if (!switchyard::validate(c.config).ok()) c.config.group_rule = GroupRule::kNone;
+      }
+      c.bias = (i % 4) == 1;
+      c.T = large_t(i, 257);
+      c.kind = Kind::kLaneHeavy;
       c.logits_dtype = kLogitDtypes[i % 3];
       vary(c, i);
       ++i;

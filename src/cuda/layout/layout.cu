@@ -22,15 +22,19 @@ using layout_detail::LayoutParams;
 // Path selection, by the number of picks N = T*K (one_launch_layout_kernel.cuh while its shared
 // memory fits):
 //   N <= kOneBlockMaxPicks:    one_block_layout_kernel, one launch, every block ranks all picks;
-//   N <= kCluster8MaxPicks:    cluster_layout_kernel<8>, one launch of one 8-block cluster;
-//   N <= kCluster16MaxPicks:   cluster_layout_kernel<16>, one 16-block cluster (where the device
-//                              can schedule one; else the next path that fits);
+//   N <= kCluster16MaxPicks:   cluster_layout_kernel, one launch of one 16-block cluster where the
+//                              device can schedule one, else of one 8-block cluster up to
+//                              kCluster8MaxPicks;
 //   else (or L too large):     the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
+// Measured on the H200 (E=256 K=8 M=128, us; 8-block / 16-block cluster / chunked pipeline):
+// N = 8192: 6.09 / 5.89 / 9.60; N = 32768: 10.84 / 8.27 / 11.86; N = 65536: - / 11.30 / 12.20.
+// A 16-block cluster of 1024-thread blocks (half the picks per warp) took 7.83 / 9.53 / 12.73:
+// its 64-register cap spilled.
 // SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|chunked (environment, read per call) forces
 // a path where it fits the call: a tuning and testing knob, not needed for correct results.
 constexpr long long kOneBlockMaxPicks = 4096;
-constexpr long long kCluster8MaxPicks = 12288;
-constexpr long long kCluster16MaxPicks = 65536;  // ITEMS <= 8: 16 warps x 8 x 32 picks per block
+constexpr long long kCluster8MaxPicks = 32768;   // 8 groups of 32 picks per warp of 512 threads
+constexpr long long kCluster16MaxPicks = 65536;  // ditto for 16 blocks
 // One-block path: blocks split the writes, about this many rows (of the row capacity) each; each
 // one repeats the (short, parallel) ranking of all N <= 4096 picks, reading the ids from L2.
 // Measured on the H200 (E=256 K=8 M=128, T = 16 / 128 / 256): 3.31 / 4.15 / 5.14 us with 2048 rows
@@ -168,21 +172,35 @@ bool one_block_fits(const LayoutParams& p) {
          layout_detail::one_launch_smem_bytes(p.num_local, false) <= layout_detail::kOneMaxSmem;
 }
 
-std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
-  return layout_detail::one_launch_smem_bytes(p.num_local, true, layout_detail::cluster_chunk(p.num_picks, blocks));
+std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks, int threads) {
+  return layout_detail::one_launch_smem_bytes(p.num_local, true, layout_detail::cluster_chunk(p.num_picks, blocks),
+                                              threads / 32);
 }
 
-bool cluster_fits(const LayoutParams& p, int blocks, long long max_picks) {
-  return p.num_picks <= max_picks && cluster_smem_bytes(p, blocks) <= layout_detail::kOneMaxSmem;
+// The cluster form fits: N <= max_picks (and at most 8 groups of 32 picks per warp) and its
+// shared memory.
+bool cluster_fits(const LayoutParams& p, int blocks, int threads, long long max_picks) {
+  return p.num_picks <= std::min<long long>(max_picks, 8LL * threads * blocks) &&
+         cluster_smem_bytes(p, blocks, threads) <= layout_detail::kOneMaxSmem;
+}
+
+// Calls f(std::integral_constant<int, KB>{}) with the compile-time key-bit bound for p.
+template <typename F>
+Status with_key_bits(const LayoutParams& p, F&& f) {
+  if (layout_detail::key_bits_bound(p.key_bits) == layout_detail::kKeyBitsSmall)
+    return f(std::integral_constant<int, layout_detail::kKeyBitsSmall>{});
+  return f(std::integral_constant<int, layout_detail::kKeyBitsLarge>{});
 }
 
 template <int ITEMS, typename Id>
 Status launch_one_block_config(const LayoutParams& p, cudaStream_t stream) {
   const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
-  return launch<layout_detail::one_block_layout_kernel<ITEMS, Id>>(
-      "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
-      dim3(layout_detail::kOneThreads), layout_detail::one_launch_smem_bytes(p.num_local, false), stream, p);
+  return with_key_bits(p, [&](auto kb) {
+    return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id>>(
+        "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)), dim3(layout_detail::kOneThreads),
+        layout_detail::one_launch_smem_bytes(p.num_local, false), stream, p);
+  });
 }
 
 // ITEMS = groups of 32 picks per warp: a block ranks N (one block) or N / CB (cluster) picks.
@@ -196,7 +214,7 @@ Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
 
 // One cluster of CB blocks: the cluster dimension is a launch attribute (with PDL), and CB = 16
 // needs the non-portable opt-in.
-template <auto kKernel, int CB>
+template <auto kKernel, int CB, int THREADS>
 Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream_t stream) {
   const char* name = "layout: cluster_layout_kernel";
   cudaError_t err = allow_dynamic_smem<kKernel>(smem);
@@ -205,7 +223,7 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
   if (err != cudaSuccess) return cuda_status(name, err);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(CB);
-  config.blockDim = dim3(layout_detail::kOneThreads);
+  config.blockDim = dim3(THREADS);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[2];
@@ -220,26 +238,30 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
   return cuda_status(name, cudaLaunchKernelEx(&config, kKernel, p));
 }
 
-template <int CB, typename Id>
+template <int CB, int THREADS, typename Id>
 Status launch_cluster(const LayoutParams& p, cudaStream_t stream) {
-  constexpr int kThreads = layout_detail::kOneThreads;
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
-  const std::size_t smem = cluster_smem_bytes(p, CB);
-  if (chunk <= kThreads * 1)
-    return launch_cluster_kernel<layout_detail::cluster_layout_kernel<1, CB, Id>, CB>(p, smem, stream);
-  if (chunk <= kThreads * 2)
-    return launch_cluster_kernel<layout_detail::cluster_layout_kernel<2, CB, Id>, CB>(p, smem, stream);
-  if (chunk <= kThreads * 4)
-    return launch_cluster_kernel<layout_detail::cluster_layout_kernel<4, CB, Id>, CB>(p, smem, stream);
-  return launch_cluster_kernel<layout_detail::cluster_layout_kernel<8, CB, Id>, CB>(p, smem, stream);
+  const std::size_t smem = cluster_smem_bytes(p, CB, THREADS);
+  return with_key_bits(p, [&](auto kb) {
+    constexpr int KB = decltype(kb)::value;
+    using layout_detail::cluster_layout_kernel;
+    if (chunk <= THREADS * 1)
+      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 1, CB, KB, Id>, CB, THREADS>(p, smem, stream);
+    if (chunk <= THREADS * 2)
+      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 2, CB, KB, Id>, CB, THREADS>(p, smem, stream);
+    if (chunk <= THREADS * 4)
+      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 4, CB, KB, Id>, CB, THREADS>(p, smem, stream);
+    return launch_cluster_kernel<cluster_layout_kernel<THREADS, 8, CB, KB, Id>, CB, THREADS>(p, smem, stream);
+  });
 }
 
-// Whether this device can run one 16-block cluster of the layout kernel with this much shared
-// memory (asked once per device and shared-memory size class; a cluster needs 16 free SMs of one
-// GPC). Any error reads as "no".
-template <typename Id>
+// Whether this device can run one 16-block cluster of THREADS-thread blocks of the layout kernel
+// with this much shared memory (asked once per device, block size and shared-memory class; a
+// cluster needs 16 free SMs of one GPC). Any error reads as "no".
+template <int THREADS, typename Id>
 bool cluster16_schedulable(std::size_t smem) {
-  constexpr auto kKernel = layout_detail::cluster_layout_kernel<8, 16, Id>;
+  constexpr auto kKernel =
+      layout_detail::cluster_layout_kernel<THREADS, 1, 16, layout_detail::kKeyBitsSmall, Id>;
   static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;
@@ -247,12 +269,13 @@ bool cluster16_schedulable(std::size_t smem) {
   const int known = cache[device][cls].load(std::memory_order_relaxed);
   if (known != 0) return known == 1;
   const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
-  bool ok = allow_dynamic_smem<kKernel>(probe) == cudaSuccess &&
-            cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-  if (ok) {
+  cudaError_t err = allow_dynamic_smem<kKernel>(probe);
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  int clusters = 0;
+  if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(16);
-    config.blockDim = dim3(layout_detail::kOneThreads);
+    config.blockDim = dim3(THREADS);
     config.dynamicSmemBytes = probe;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -261,10 +284,10 @@ bool cluster16_schedulable(std::size_t smem) {
     attribute[0].val.clusterDim.z = 1;
     config.attrs = attribute;
     config.numAttrs = 1;
-    int clusters = 0;
-    ok = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config) == cudaSuccess && clusters > 0;
+    err = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config);
   }
-  (void)cudaGetLastError();  // a refused probe leaves no sticky error for the caller
+  if (err != cudaSuccess) (void)cudaGetLastError();  // a refused probe leaves no error behind
+  const bool ok = err == cudaSuccess && clusters > 0;
   cache[device][cls].store(ok ? 1 : 2, std::memory_order_relaxed);
   return ok;
 }
@@ -322,19 +345,21 @@ ForcedPath forced_path() {
 
 template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
+  using layout_detail::kOneThreads;
   const LayoutParams p = make_params(a);
-  const auto cluster16_fits = [&] {
-    return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
+  const auto cluster16_fits = [&](long long max_picks) {
+    return cluster_fits(p, 16, kOneThreads, max_picks) &&
+           cluster16_schedulable<kOneThreads, Id>(cluster_smem_bytes(p, 16, kOneThreads));
   };
   switch (forced_path()) {
     case ForcedPath::kOneBlock:
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
       break;
-    case ForcedPath::kCluster8:  // up to 8 groups of 32 picks per warp
-      if (cluster_fits(p, 8, kCluster16MaxPicks / 2)) return launch_cluster<8, Id>(p, stream);
+    case ForcedPath::kCluster8:
+      if (cluster_fits(p, 8, kOneThreads, kCluster8MaxPicks)) return launch_cluster<8, kOneThreads, Id>(p, stream);
       break;
     case ForcedPath::kCluster16:
-      if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
+      if (cluster16_fits(kCluster16MaxPicks)) return launch_cluster<16, kOneThreads, Id>(p, stream);
       break;
     case ForcedPath::kChunked:
       return launch_multi_kernel<Id>(p, a, stream);
@@ -342,8 +367,8 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
       break;
   }
   if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
-  if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
-  if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
+  if (cluster16_fits(kCluster16MaxPicks)) return launch_cluster<16, kOneThreads, Id>(p, stream);
+  if (cluster_fits(p, 8, kOneThreads, kCluster8MaxPicks)) return launch_cluster<8, kOneThreads, Id>(p, stream);
   return launch_multi_kernel<Id>(p, a, stream);
 }
 

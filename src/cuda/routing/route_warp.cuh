@@ -46,11 +46,17 @@
 //   holds outside them (`next`). Each round the segment
 //   reduces the heads twice (max key, then min expert among equal keys): redux.sync for a whole
 //   warp, xor-shuffle butterflies inside narrower segments (each shuffle serves 32/W rows; a
-//   per-segment redux.sync would be serialized). The winning lane pops its head. A lane whose
-//   buffer runs dry shows `next` as a "ghost" head claiming the lowest expert index: only if a
-//   ghost wins a round may the lane hold that round's pick, and only then does it rescan its
-//   values for the next D after its last pop; the round is redone. Rescans are thus rare (a
-//   lane must hold more than D of the K picks) and the buffers stay small. (Idea of
+//   per-segment redux.sync would be serialized). The winning lane pops its head. A fast pass
+//   runs the K rounds (unrolled) with nothing else: a lane whose buffer ran dry shows key 0.
+//   Then one vote: if some dry lane's `next` is >= the key of pick K - 1 (equality counts, as
+//   `next` has no expert index), a candidate hidden in that lane might have been due, and the
+//   exact rounds take over from the first pick whose key is <= the largest such `next` (the
+//   picks before it rank above every hidden candidate, so they are right; each lane refills its
+//   buffer with its candidates after its last pick among them). In the exact rounds a lane
+//   whose buffer runs dry shows `next` as a "ghost" head claiming the lowest expert index: only
+//   if a ghost wins a round may the lane hold that round's pick, and only then does it rescan
+//   its values for the next D after its last pop; the round is redone. Both are rare (a lane
+//   must hold more than D of the K picks) and the buffers stay small. (Idea of
 //   per-thread candidate queues merged by warp reductions: FAISS WarpSelect, TensorRT-LLM's MoE top-k
 //   kernels; this code is our own.) Groups. With group size G % 4 == 0 and at most 2 scores summed per group
 //   (top2_sum, max, topk_sum with K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert
@@ -169,9 +175,13 @@ struct RoutedPicks {
 struct ShapeEntry {
   int max_experts, w, s, d;
 };
+// D = 4 = all 4 values of a lane up to E = 64: several of a row's picks in one lane are common
+// there, and a full buffer makes the top-K fast pass exact without the check. (With D = 2 the
+// fast pass made dbrx E=16 K=4 at T = 1 slower on the H200, 2.62 -> 3.16 us, mixtral 2.12 ->
+// 2.35: the exact rounds often ran after it.)
 inline constexpr ShapeEntry kShapeTable[] = {
-    {4, 1, 1, 2},     {8, 2, 1, 2},      {16, 4, 1, 2},     {32, 8, 1, 2},
-    {64, 16, 1, 2},   {128, 32, 1, 2},   {256, 32, 2, 2},   {384, 32, 3, 2},
+    {4, 1, 1, 4},     {8, 2, 1, 4},      {16, 4, 1, 4},     {32, 8, 1, 4},
+    {64, 16, 1, 4},   {128, 32, 1, 2},   {256, 32, 2, 2},   {384, 32, 3, 2},
     {512, 32, 4, 2},  {640, 32, 5, 3},   {768, 32, 6, 3},   {896, 32, 7, 3},
     {1024, 32, 8, 3}, {1536, 32, 12, 4}, {2048, 32, 16, 4}, {4096, 32, 32, 4},
 };
@@ -295,6 +305,16 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return (a != a || b != b) ? a + b : fmaxf(a, b);
 #endif
 }
+// min(a, b) that returns NaN when either is NaN.
+__device__ __forceinline__ float min_nan(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fminf(a, b);
+#endif
+}
 __device__ __forceinline__ bool finite(float x) { return fabsf(x) < __uint_as_float(0x7f800000u); }
 
 // Ordered key of a non-NaN score (see the file comment). q + 0 turns -0 into +0.
@@ -308,6 +328,12 @@ __device__ __forceinline__ float key_score(std::uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
 }
 __device__ __forceinline__ bool key_finite(std::uint32_t k) { return k > kNegInfKey && k < kPosInfKey; }
+
+// Lane-relative expert offset of value j: e = base(j) + 4 * (lane % W).
+template <class Shape>
+__device__ __forceinline__ constexpr int value_base(int j) {
+  return 4 * Shape::W * (j / 4) + (j % 4);
+}
 
 // detail::exp_f32 for |x| <= 86.5 (bit-identical there; see the file comment).
 __device__ __forceinline__ float exp_fast(float x) {
@@ -479,10 +505,99 @@ __device__ __forceinline__ std::uint32_t segment_min(std::uint32_t v) {
   }
 }
 
-// Lane-relative expert offset of value j: e = base(j) + 4 * (lane % W).
+// The fast softmax pre-score of route_warp (kFull: E == Shape::kMaxExperts, every value present).
+// Taken (returns true, warp-uniform) when every present value of every row of the warp is finite
+// and max - min <= 44; then v[j] = p and key[j] = its key (absent experts: p = 0, key fixed by
+// the caller). Otherwise returns false with v untouched. Absent experts were loaded as -inf (a
+// dummy row past T as zeros). The test: fmx = max of the present values ignoring NaN, fmn = their
+// minimum propagating NaN (min.NaN), fm = the row's max of fmx; RN(fmn - fm) >= -44 fails for a
+// NaN (fmn is NaN), a -inf (fmn = -inf) and a +inf (fm = +inf: -inf or NaN in every lane of the
+// row), and for finite rows it is the range test. (exp(x) >= 2^-64 for x >= -44 keeps the
+// division on its fast path; sum is in [1, E], so rcp_normal gives RN(1 / sum).)
+template <class Shape, bool kFull>
+__device__ __forceinline__ bool softmax_fast(float (&v)[Shape::kValues], std::uint32_t (&key)[Shape::kValues], int E,
+                                             int lane4, SoftmaxRow& sm) {
+  constexpr int V = Shape::kValues, NA = Shape::kAccs;
+  bool pr[V];
+  float fmx = neg_inf(), fmn = __uint_as_float(0x7f800000u);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    pr[j] = kFull || value_base<Shape>(j) + lane4 < E;
+    fmx = fmaxf(fmx, v[j]);  // absent experts are -inf (or 0 in a dummy row): no effect
+    fmn = pr[j] ? min_nan(fmn, v[j]) : fmn;
+  }
+  const float fm = key_score(segment_max<Shape::W>(score_key(fmx)));
+  if (!__all_sync(kFullMask, __fadd_rn(fmn, -fm) >= -44.0f)) return false;
+  sm.m = fm;
+  float acc[NA];
+#pragma unroll
+  for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float e = exp_fast(__fadd_rn(v[j], -sm.m));  // garbage for an absent -inf, not used
+    v[j] = pr[j] ? e : 0.0f;
+    acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], v[j]);
+  }
+  sm.sum = softmax_row_sum<Shape::W>(acc);
+  sm.rcp = rcp_normal(sm.sum);
+  // p >= 2^-76 > 0 here, so canonical_key(p) is p's bits with the sign bit set. Absent
+  // experts get key 0 from the caller.
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    v[j] = div_fast(v[j], sm.sum, sm.rcp);
+    key[j] = __float_as_uint(v[j]) | 0x80000000u;
+  }
+  return true;
+}
+
+// softmax_fast with the previous test (per-lane finiteness from max.NaN of |v|) and one branch
+// per present value; same results (both compute the same fm, sum and p when every present value
+// of the warp is finite with max - min <= 44, and both fail otherwise).
 template <class Shape>
-__device__ __forceinline__ constexpr int value_base(int j) {
-  return 4 * Shape::W * (j / 4) + (j % 4);
+__device__ __forceinline__ bool softmax_fast_branchy(float (&v)[Shape::kValues],
+                                                     std::uint32_t (&key)[Shape::kValues], int E, int lane4,
+                                                     SoftmaxRow& sm) {
+  constexpr int W = Shape::W, S = Shape::S, V = Shape::kValues, NA = Shape::kAccs;
+  float fmx = neg_inf(), fmn = __uint_as_float(0x7f800000u), amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const bool partial = 4 * W * (i + 1) > E;  // uniform
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = 4 * i + c;
+      const bool present = !partial || 4 * W * i + lane4 + c < E;
+      fmx = present ? fmaxf(fmx, v[j]) : fmx;
+      fmn = present ? fminf(fmn, v[j]) : fmn;
+      amax = present ? max_nan(amax, fabsf(v[j])) : amax;
+    }
+  }
+  const bool lane_finite = amax < __uint_as_float(0x7f800000u);  // false for inf and NaN
+  const float fm = key_score(segment_max<W>(score_key(lane_finite ? fmx : 0.0f)));
+  if (!__all_sync(kFullMask, !lane_finite ? false : __fadd_rn(fmn, -fm) >= -44.0f)) return false;
+  sm.m = fm;
+  float acc[NA];
+#pragma unroll
+  for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const bool partial = 4 * W * (i + 1) > E;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = 4 * i + c;
+      const bool present = !partial || 4 * W * i + lane4 + c < E;
+      const float e = present ? exp_fast(__fadd_rn(v[j], -sm.m)) : 0.0f;
+      v[j] = e;
+      acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], e);
+    }
+  }
+  sm.sum = softmax_row_sum<W>(acc);
+  sm.rcp = __frcp_rn(sm.sum);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    v[j] = div_fast(v[j], sm.sum, sm.rcp);
+    key[j] = __float_as_uint(v[j]) | 0x80000000u;
+  }
+  return true;
 }
 
 // Picks the best p.topk_group groups of a row: rounds of (max score key, min group index)
@@ -703,52 +818,16 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   if (p.pre == PreFn::kSoftmax) {
     // Fast path, taken when every row of the warp is finite with max - min <= 44 (the common
     // case): no per-value special cases. Otherwise the general code below handles everything.
-    // Only present experts count (absent ones were loaded as -inf); dummy rows are all -inf.
-    float fmx = neg_inf(), fmn = __uint_as_float(0x7f800000u), amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < S; ++i) {
-      const bool partial = 4 * W * (i + 1) > E;  // uniform
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int j = 4 * i + c;
-        const bool present = !partial || 4 * W * i + lane4 + c < E;
-        fmx = present ? fmaxf(fmx, v[j]) : fmx;
-        fmn = present ? fminf(fmn, v[j]) : fmn;
-        amax = present ? max_nan(amax, fabsf(v[j])) : amax;
-      }
+    // The variant for E == kMaxExperts has no presence tests at all (E is uniform).
+    // RouteShape<32, 1, D> (64 < E <= 128) keeps the branchy form of this path, which the compiler
+    // fits in 40 registers (softmax_fast: 43, i.e. 48 allocated and one block less per SM).
+    if constexpr (W == 32 && S == 1) {
+      softmax_done = softmax_fast_branchy<Shape>(v, key, E, lane4, sm);
+    } else {
+      softmax_done = E >= Shape::kMaxExperts ? softmax_fast<Shape, true>(v, key, E, lane4, sm)
+                                             : softmax_fast<Shape, false>(v, key, E, lane4, sm);
     }
-    const bool lane_finite = amax < __uint_as_float(0x7f800000u);  // false for inf and NaN
-    const float fm = key_score(segment_max<W>(score_key(lane_finite ? fmx : 0.0f)));
-    const bool all_fast = __all_sync(kFullMask, !lane_finite ? false : __fadd_rn(fmn, -fm) >= -44.0f);
-    if (all_fast) {
-      sm.m = fm;
-      float acc[NA];
-#pragma unroll
-      for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
-#pragma unroll
-      for (int i = 0; i < S; ++i) {
-        const bool partial = 4 * W * (i + 1) > E;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int j = 4 * i + c;
-          const bool present = !partial || 4 * W * i + lane4 + c < E;
-          const float e = present ? exp_fast(__fadd_rn(v[j], -sm.m)) : 0.0f;
-          v[j] = e;
-          acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], e);
-        }
-      }
-      sm.sum = softmax_row_sum<W>(acc);
-      sm.rcp = __frcp_rn(sm.sum);
-      // p >= 2^-76 > 0 here, so canonical_key(p) is p's bits with the sign bit set. Absent
-      // experts get key 0 below.
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        v[j] = div_fast(v[j], sm.sum, sm.rcp);
-        key[j] = __float_as_uint(v[j]) | 0x80000000u;
-      }
-      keys_ready = p.bias == nullptr;
-      softmax_done = true;
-    }
+    keys_ready = softmax_done && p.bias == nullptr;
   }
   if (p.pre == PreFn::kSoftmax && !softmax_done) {
     float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
@@ -847,10 +926,10 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     group_limit_generic<Shape>(p, key, srow, sl);
   }
 
-  // 5. Top-K. A lane whose buffer runs dry shows `next` (the largest key it has left, see
-  // buffer_insert) as its head and claims the lowest expert index for it: a "ghost" that
-  // wins a round only when the lane may really hold the round's pick. Then the lane rescans
-  // its values for the next D candidates after its last pop (gk, gb) and the round is redone.
+  // 5. Top-K (see the file comment). Fast pass: K rounds in which a lane whose buffer ran dry
+  // shows key 0. Exact unless a dry lane holds a key outside its buffer (`next`) that could rank
+  // at or above the last pick; then the exact rounds (ghosts and rescans) redo the rounds from
+  // the first pick that is not certainly right.
   std::uint32_t bk[D];
   int bb[D];
 #pragma unroll
@@ -868,55 +947,131 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     pick_key[s] = 0u;
     pick_e[s] = 0;
   }
-  int ghost = 0;  // a full register: a bool here was packed into a byte (PRMT) every round
-  std::uint32_t gk = 0u;
-  int gb = 0;
-  for (int r = 0; r < K;) {
+  constexpr int kMaxK = SL * W;  // >= K (see kSlots)
+  std::uint32_t last_mk = 0u;    // the key of pick K - 1
+#pragma unroll
+  for (int r = 0; r < kMaxK; ++r) {
+    if (r >= K) break;  // uniform
     const std::uint32_t head = bk[0];
     const std::uint32_t mk = segment_max<W>(head);
-    const unsigned my_e = ghost != 0 ? 0u : static_cast<unsigned>(bb[0] + lane4);
+    const unsigned my_e = static_cast<unsigned>(bb[0] + lane4);
     const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
+    // A lane's experts are its own, so at most one lane of the segment has my_e == we (a dry
+    // lane's stale bb[0] is an expert it already gave away).
     const bool won = head == mk && my_e == we;
-    const bool rescan = won && ghost != 0;
-    if (__any_sync(kFullMask, rescan)) {
-      if (rescan) {
-        // Next D candidates after the last pop (gk, gb) in (key desc, expert asc) order.
-#pragma unroll
-        for (int d = 0; d < D; ++d) bk[d] = 0u;
-        next = 0u;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const int base = value_base<Shape>(j);
-          const bool after = key[j] < gk || (key[j] == gk && base > gb);
-          buffer_insert<D>(bk, bb, next, after ? key[j] : 0u, base);
-        }
-        ghost = 0;
-      }
-      continue;  // redo the round (segments without a rescan get the same answer)
-    }
-#pragma unroll
-    for (int s = 0; s < SL; ++s) {
-      if (r == s * W + sl) {
-        pick_key[s] = mk;
-        pick_e[s] = static_cast<int>(we);
-      }
+    if (sl == r % W) {  // pick r lives in lane r % W, slot r / W (compile-time)
+      pick_key[r / W] = mk;
+      pick_e[r / W] = static_cast<int>(we);
     }
     if (won) {
-      if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
-        ghost = 1;
-        gk = bk[0];
-        gb = bb[0];
-        bk[0] = next;
-      } else {
 #pragma unroll
-        for (int d = 0; d + 1 < D; ++d) {
-          bk[d] = bk[d + 1];
-          bb[d] = bb[d + 1];
+      for (int d = 0; d + 1 < D; ++d) {
+        bk[d] = bk[d + 1];
+        bb[d] = bb[d + 1];
+      }
+      bk[D - 1] = 0u;
+    }
+    last_mk = mk;
+  }
+  // Check. Picks come in rank order and their keys do not increase. A dry lane (bk[0] == 0)
+  // still holds keys <= next outside its buffer; a lane that is not dry shows its true best
+  // remaining candidate (everything outside its buffer ranks after it). If every dry lane has
+  // next < last_mk, no candidate hidden in a dry lane ranks above pick K - 1, so every round
+  // took the true best remaining candidate: the picks are the oracle's. Otherwise (hm >= last_mk
+  // below, equality included since `next` carries no expert index) the picks with key > hm are
+  // still exact (they rank above every hidden candidate), and the exact rounds resume after them.
+  // With D >= V a lane's buffer holds all its candidates (nothing is ever hidden; every row has at
+  // least K candidates of key > 0, so last_mk > 0): the fast pass is exact and the check goes.
+  const std::uint32_t hm = D >= V ? 0u : segment_max<W>(bk[0] == 0u ? next : 0u);
+  if (D < V && __any_sync(kFullMask, hm >= last_mk)) {
+    // First round whose key is <= hm, over the whole warp (K for rows that passed).
+    int first = K;
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {
+      const int k = s * W + sl;
+      if (k < K && pick_key[s] <= hm) first = min(first, k);
+    }
+    const int r0 = static_cast<int>(__reduce_min_sync(kFullMask, static_cast<unsigned>(first)));
+    // Picks 0 .. r0 - 1 are the row's true top r0, i.e. every candidate that ranks at or above
+    // pick r0 - 1 (pk, pe). So each lane's remaining candidates are those ranking after it (all
+    // of them when r0 == 0): refill the buffers with the D best of those.
+    std::uint32_t pk = 0xffffffffu;  // above every key: "after" holds for every value
+    int pe = -1;
+    if (r0 > 0) {  // uniform
+      const int src = (r0 - 1) % W, slot = (r0 - 1) / W;
+#pragma unroll
+      for (int s = 0; s < SL; ++s) {  // s compile-time: the pick arrays stay in registers
+        const std::uint32_t ks = __shfl_sync(kFullMask, pick_key[s], src, W);
+        const int es = __shfl_sync(kFullMask, pick_e[s], src, W);
+        if (s == slot) {
+          pk = ks;
+          pe = es;
         }
-        bk[D - 1] = 0u;
       }
     }
-    ++r;
+#pragma unroll
+    for (int d = 0; d < D; ++d) bk[d] = 0u;
+    next = 0u;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int base = value_base<Shape>(j);
+      const bool after = key[j] < pk || (key[j] == pk && base + lane4 > pe);
+      buffer_insert<D>(bk, bb, next, after ? key[j] : 0u, base);
+    }
+    std::uint32_t gk = 0u;
+    int gb = 0;
+    // Exact rounds: a lane whose buffer runs dry shows `next` (the largest key it has left, see
+    // buffer_insert) as its head and claims the lowest expert index for it: a "ghost" that
+    // wins a round only when the lane may really hold the round's pick. Then the lane rescans
+    // its values for the next D candidates after its last pop (gk, gb) and the round is redone.
+    int ghost = 0;  // a full register: a bool here was packed into a byte (PRMT) every round
+    for (int r = r0; r < K;) {
+      const std::uint32_t head = bk[0];
+      const std::uint32_t mk = segment_max<W>(head);
+      const unsigned my_e = ghost != 0 ? 0u : static_cast<unsigned>(bb[0] + lane4);
+      const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
+      const bool won = head == mk && my_e == we;
+      const bool rescan = won && ghost != 0;
+      if (__any_sync(kFullMask, rescan)) {
+        if (rescan) {
+          // Next D candidates after the last pop (gk, gb) in (key desc, expert asc) order.
+#pragma unroll
+          for (int d = 0; d < D; ++d) bk[d] = 0u;
+          next = 0u;
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const int base = value_base<Shape>(j);
+            const bool after = key[j] < gk || (key[j] == gk && base > gb);
+            buffer_insert<D>(bk, bb, next, after ? key[j] : 0u, base);
+          }
+          ghost = 0;
+        }
+        continue;  // redo the round (segments without a rescan get the same answer)
+      }
+#pragma unroll
+      for (int s = 0; s < SL; ++s) {
+        if (r == s * W + sl) {
+          pick_key[s] = mk;
+          pick_e[s] = static_cast<int>(we);
+        }
+      }
+      if (won) {
+        if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
+          ghost = 1;
+          gk = bk[0];
+          gb = bb[0];
+          bk[0] = next;
+        } else {
+#pragma unroll
+          for (int d = 0; d + 1 < D; ++d) {
+            bk[d] = bk[d + 1];
+            bb[d] = bb[d + 1];
+          }
+          bk[D - 1] = 0u;
+        }
+      }
+      ++r;
+    }
   }
 
   // 6. Weights from p of the picks (oracle: detail::post_weights, sums in k order).
@@ -948,23 +1103,24 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 #pragma unroll
       for (int s = 0; s < SL; ++s) term[s] = fin[s] ? pv[s] : 0.0f;
     }
-    // Sum in k order. Adding +0 for a non-finite pick is exact: the sum is never -0.
-    // The terms are gathered 8 at a time with independent shuffles (their latencies overlap),
-    // then added in k order; the additions for k >= K are skipped.
+    // Sum in k order. Adding +0 is exact (the sum starts at +0 and is never -0), and term is +0
+    // for a non-finite pick and for k >= K (fin is false there): so the terms are gathered 8 at
+    // a time (slot and source lane are compile-time, the shuffles' latencies overlap) and all 8
+    // are added, in k order, for each block of 8 that starts below K.
     float sum = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += 8) {
+#pragma unroll
+    for (int k0 = 0; k0 < SL * W; k0 += 8) {
+      if (k0 >= K) break;  // uniform
       float t[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int k = k0 + j;
-        const int slot = k / W;
-        float mine = term[0];
-#pragma unroll
-        for (int s = 1; s < SL; ++s) mine = slot == s ? term[s] : mine;
-        t[j] = __shfl_sync(kFullMask, mine, k % W, W);
+        if (k < SL * W) t[j] = __shfl_sync(kFullMask, term[k / W], k % W, W);
       }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) sum = k0 + j < K ? __fadd_rn(sum, t[j]) : sum;
+      for (int j = 0; j < 8; ++j) {
+        if (k0 + j < SL * W) sum = __fadd_rn(sum, t[j]);
+      }
     }
     if (p.post == PostFn::kSoftmax) {
 #pragma unroll

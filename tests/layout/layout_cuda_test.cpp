@@ -537,8 +537,8 @@ TEST(LayoutCuda, ForcedPathsMatchCpu) {
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
-  const std::pair<std::int64_t, int> shapes[] = {{1, 8},     {31, 3},    {512, 8},    {1000, 4},   {4096, 1},
-                                                 {1537, 8},  {4096, 8},  {3001, 10},  {8192, 8},  {6553, 10},
+  const std::pair<std::int64_t, int> shapes[] = {{1, 8},     {31, 3},    {512, 8},   {1000, 4}, {4096, 1},
+                                                 {1537, 8},  {4096, 8},  {3001, 10}, {8192, 8}, {6553, 10},
                                                  {65536, 1}, {40000, 1}, {2047, 16}};
   for (const char* path : {"one_block", "cluster8", "cluster16", "chunked"}) {
     SCOPED_TRACE(std::string("SWITCHYARD_LAYOUT_PATH=") + path);

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/backend.h"
@@ -173,8 +173,8 @@ bool one_block_fits(const LayoutParams& p) {
 }
 
 std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks, int threads) {
-  return layout_detail::one_launch_smem_bytes(p.num_local, true, layout_detail::cluster_chunk(p.num_picks, blocks),
-                                              threads / 32);
+  return layout_detail::one_launch_smem_bytes(
+      p.num_local, true, layout_detail::cluster_chunk(p.num_picks, blocks), threads / 32);
 }
 
 // The cluster form fits: N <= max_picks (and at most 8 groups of 32 picks per warp) and its
@@ -198,8 +198,9 @@ Status launch_one_block_config(const LayoutParams& p, cudaStream_t stream) {
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
   return with_key_bits(p, [&](auto kb) {
     return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id>>(
-        "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)), dim3(layout_detail::kOneThreads),
-        layout_detail::one_launch_smem_bytes(p.num_local, false), stream, p);
+        "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
+        dim3(layout_detail::kOneThreads), layout_detail::one_launch_smem_bytes(p.num_local, false), stream,
+        p);
   });
 }
 
@@ -246,11 +247,14 @@ Status launch_cluster(const LayoutParams& p, cudaStream_t stream) {
     constexpr int KB = decltype(kb)::value;
     using layout_detail::cluster_layout_kernel;
     if (chunk <= THREADS * 1)
-      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 1, CB, KB, Id>, CB, THREADS>(p, smem, stream);
+      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 1, CB, KB, Id>, CB, THREADS>(p, smem,
+                                                                                               stream);
     if (chunk <= THREADS * 2)
-      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 2, CB, KB, Id>, CB, THREADS>(p, smem, stream);
+      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 2, CB, KB, Id>, CB, THREADS>(p, smem,
+                                                                                               stream);
     if (chunk <= THREADS * 4)
-      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 4, CB, KB, Id>, CB, THREADS>(p, smem, stream);
+      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 4, CB, KB, Id>, CB, THREADS>(p, smem,
+                                                                                               stream);
     return launch_cluster_kernel<cluster_layout_kernel<THREADS, 8, CB, KB, Id>, CB, THREADS>(p, smem, stream);
   });
 }
@@ -270,7 +274,8 @@ bool cluster16_schedulable(std::size_t smem) {
   if (known != 0) return known == 1;
   const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
   cudaError_t err = allow_dynamic_smem<kKernel>(probe);
-  if (err == cudaSuccess) err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   int clusters = 0;
   if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
@@ -356,7 +361,8 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
       break;
     case ForcedPath::kCluster8:
-      if (cluster_fits(p, 8, kOneThreads, kCluster8MaxPicks)) return launch_cluster<8, kOneThreads, Id>(p, stream);
+      if (cluster_fits(p, 8, kOneThreads, kCluster8MaxPicks))
+        return launch_cluster<8, kOneThreads, Id>(p, stream);
       break;
     case ForcedPath::kCluster16:
       if (cluster16_fits(kCluster16MaxPicks)) return launch_cluster<16, kOneThreads, Id>(p, stream);
@@ -368,7 +374,8 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   }
   if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
   if (cluster16_fits(kCluster16MaxPicks)) return launch_cluster<16, kOneThreads, Id>(p, stream);
-  if (cluster_fits(p, 8, kOneThreads, kCluster8MaxPicks)) return launch_cluster<8, kOneThreads, Id>(p, stream);
+  if (cluster_fits(p, 8, kOneThreads, kCluster8MaxPicks))
+    return launch_cluster<8, kOneThreads, Id>(p, stream);
   return launch_multi_kernel<Id>(p, a, stream);
 }
 

@@ -3,7 +3,8 @@
 # benchmarks; everything lands in $OUT/results.tgz plus a summary on stdout.
 #   SRC=. STEPS=build,test,sanitize,bench,python COMMIT=<sha> bash scripts/gpu_run.sh
 # Steps: build, test (GPU + CPU ctest), python (pip install + pytest), pyfast (pytest on the
-# build step's extension, without a second compile of the kernels), cli, bench, sanitize, demo.
+# build step's extension, without a second compile of the kernels), cli (switchyard-bench after a
+# pip install), clifast (switchyard-bench on the build step's extension), bench, sanitize, demo.
 set -uo pipefail
 SRC="$(cd "${SRC:-.}" && pwd)"
 STEPS="${STEPS:-build,test,sanitize,bench}"
@@ -45,17 +46,36 @@ if has python; then
   (cd "$SRC" && timeout "${PYTHON_TIMEOUT:-300}" bash scripts/python_test >"$RES/python.log" 2>&1; echo "python rc=$? $(( $(date +%s) - start )) s"; tail -4 "$RES/python.log")
 fi
 
-# The Python suite on the extension the build step made (no pip install, no second compile of
-# the kernels): a copy of python/switchyard with _ext added, on PYTHONPATH.
-if has pyfast; then
-  start=$(date +%s)
+# A copy of python/switchyard with the build step's _ext added, in /tmp/sy_pkg (for PYTHONPATH):
+# the Python suite and switchyard-bench run on it without a pip install or a second compile of
+# the kernels. Fails (with a message) when the build step made no extension.
+build_tree_package() {
+  local ext
   ext=$(ls "$B"/python/_ext*.so 2>/dev/null | head -1)
   if [ -z "$ext" ]; then
-    echo "pyfast: no _ext module in $B/python (the build step found no nanobind)"
-  else
-    rm -rf /tmp/sy_pkg && mkdir -p /tmp/sy_pkg && cp -r "$SRC/python/switchyard" /tmp/sy_pkg/ && cp "$ext" /tmp/sy_pkg/switchyard/
+    echo "$1: no _ext module in $B/python (the build step found no nanobind)"
+    return 1
+  fi
+  rm -rf /tmp/sy_pkg && mkdir -p /tmp/sy_pkg && cp -r "$SRC/python/switchyard" /tmp/sy_pkg/ && cp "$ext" /tmp/sy_pkg/switchyard/
+}
+
+if has pyfast; then
+  start=$(date +%s)
+  if build_tree_package pyfast; then
     (cd "$SRC" && PYTHONPATH=/tmp/sy_pkg timeout "${PYTHON_TIMEOUT:-300}" python3 -m pytest tests/python -q -rs \
       >"$RES/python.log" 2>&1; echo "python (build-tree extension) rc=$? $(( $(date +%s) - start )) s"; tail -4 "$RES/python.log")
+  fi
+fi
+
+# switchyard-bench (the README's main command) on the build step's extension.
+if has clifast; then
+  start=$(date +%s)
+  if build_tree_package clifast; then
+    (cd "$SRC" && PYTHONPATH=/tmp/sy_pkg SWITCHYARD_GIT_COMMIT="${COMMIT:-}" timeout "${CLI_TIMEOUT:-240}" \
+      python3 -m switchyard.bench --json "$RES/switchyard_bench.json" --plot "$RES/switchyard_bench.png" \
+      >"$RES/switchyard_bench.md" 2>"$RES/switchyard_bench.err")
+    echo "switchyard-bench (build-tree extension) rc=$? $(( $(date +%s) - start )) s"
+    head -3 "$RES/switchyard_bench.md"; tail -3 "$RES/switchyard_bench.err"
   fi
 fi
 

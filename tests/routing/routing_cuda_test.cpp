@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -512,58 +513,46 @@ TEST(RoutingCuda, GroupLimits) {
 }
 
 // Ties everywhere: few levels, all-equal rows, every K.
-TEST(RoutingCuda, TieHeavy) {
-  SY_SKIP_WITHOUT_GPU();
+// One input kind over an (E, K) grid; pre, post, group rule (every group_every-th case that can
+// have groups), bias (every bias_every-th case), logits dtype, T and the secondary axes are drawn
+// from the case counter.
+void sweep_kind(Kind kind, std::initializer_list<int> experts, std::initializer_list<int> ks,
+                std::int64_t small_t, int group_every, int bias_every) {
   int i = 0;
-  for (int E : {8, 64, 160, 256, 512, 2048}) {
-    for (int K : {1, 2, 8, 10, 22, 32}) {
+  for (int E : experts) {
+    for (int K : ks) {
       if (K > E) continue;
       Case c;
       c.config = make_config(E, K, static_cast<PreFn>(i % 4), static_cast<PostFn>((i + 1) % 4));
-      if (E % 8 == 0 && K <= E / 2) {
-        c.config.group_rule = static_cast<GroupRule>(1 + i % 3);
+      if (E % 8 == 0 && K <= E / 2 && i % group_every == 0) {
+        c.config.group_rule = static_cast<GroupRule>(1 + (i / group_every) % 3);
         c.config.n_group = 8;
         c.config.topk_group = 4;
         if (!switchyard::validate(c.config).ok()) c.config.group_rule = GroupRule::kNone;
       }
-      c.bias = (i % 2) == 1;
-      c.T = large_t(i, 333);
-      c.kind = Kind::kTied;
+      c.bias = (i % bias_every) == 1;
+      c.T = large_t(i, small_t);
+      c.kind = kind;
       c.logits_dtype = kLogitDtypes[i % 3];
       vary(c, i);
       ++i;
       check_case(c);
-      if (HasFatalFailure()) return;
+      if (::testing::Test::HasFatalFailure()) return;
     }
   }
+}
+
+TEST(RoutingCuda, TieHeavy) {
+  SY_SKIP_WITHOUT_GPU();
+  sweep_kind(Kind::kTied, {8, 64, 160, 256, 512, 2048}, {1, 2, 8, 10, 22, 32}, 333, 1, 2);
 }
 
 // Picks concentrated in one lane's experts (more than its candidate buffer holds), with ties at
 // the K-th pick: the top-K fast pass must hand over to the exact rounds at the right pick.
 TEST(RoutingCuda, LaneHeavy) {
   SY_SKIP_WITHOUT_GPU();
-  int i = 0;
-  for (int E : {8, 40, 64, 96, 160, 256, 384, 512, 640, 1000, 2048}) {
-    for (int K : {1, 2, 3, 5, 8, 10, 17, 32}) {
-      if (K > E) continue;
-      Case c;
-      c.config = make_config(E, K, static_cast<PreFn>(i % 3), static_cast<PostFn>((i + 1) % 4));
-      if (E % 8 == 0 && K <= E / 2 && i % 3 == 0) {
-        c.config.group_rule = static_cast<GroupRule>(1 + i % 3);
-        c.config.n_group = 8;
-        c.config.topk_group = 4;
-        if (!switchyard::validate(c.config).ok()) c.config.group_rule = GroupRule::kNone;
-      }
-      c.bias = (i % 4) == 1;
-      c.T = large_t(i, 257);
-      c.kind = Kind::kLaneHeavy;
-      c.logits_dtype = kLogitDtypes[i % 3];
-      vary(c, i);
-      ++i;
-      check_case(c);
-      if (HasFatalFailure()) return;
-    }
-  }
+  sweep_kind(Kind::kLaneHeavy, {8, 40, 64, 96, 160, 256, 384, 512, 640, 1000, 2048},
+             {1, 2, 3, 5, 8, 10, 17, 32}, 257, 3, 4);
 }
 
 // A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied

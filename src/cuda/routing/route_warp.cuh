@@ -515,8 +515,8 @@ __device__ __forceinline__ std::uint32_t segment_min(std::uint32_t v) {
 // row), and for finite rows it is the range test. (exp(x) >= 2^-64 for x >= -44 keeps the
 // division on its fast path; sum is in [1, E], so rcp_normal gives RN(1 / sum).)
 template <class Shape, bool kFull>
-__device__ __forceinline__ bool softmax_fast(float (&v)[Shape::kValues], std::uint32_t (&key)[Shape::kValues], int E,
-                                             int lane4, SoftmaxRow& sm) {
+__device__ __forceinline__ bool softmax_fast(float (&v)[Shape::kValues], std::uint32_t (&key)[Shape::kValues],
+                                             int E, int lane4, SoftmaxRow& sm) {
   constexpr int V = Shape::kValues, NA = Shape::kAccs;
   bool pr[V];
   float fmx = neg_inf(), fmn = __uint_as_float(0x7f800000u);

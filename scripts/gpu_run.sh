@@ -103,7 +103,7 @@ if has sanitize; then
       # Racecheck of PathBoundaries was not yet timed: give it SANITIZE_TIMEOUT=300.
       var="SAN_FILTER_$t"
       case "$t" in
-        test_routing_cuda) def="RoutingCuda.TieHeavy:RoutingCuda.GroupLimits" ;;
+        test_routing_cuda) def="RoutingCuda.TieHeavy:RoutingCuda.GroupLimits:RoutingCuda.LaneHeavy" ;;
         test_layout_cuda) def="LayoutCuda.PathBoundaries:LayoutCuda.EdgeCases:LayoutCuda.RouteAndLayoutMatchesCpu" ;;
         test_permute_cuda) def="PermuteCuda.GatherSweep:PermuteCuda.CombineSweep:PermuteCuda.EmptyInputs" ;;
         *) def="*" ;;

@@ -520,6 +520,16 @@ class Layout(NamedTuple):
     def dropped(self) -> int:
         return int(self.totals[DROPPED])
 
+    def as_moe_align_block_size(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """The layout in the form of vLLM's moe_align_block_size outputs, as views (no copy, no
+        host sync), for a layout made with tile_size = block_size: (sorted_token_ids, expert_ids,
+        num_tokens_post_padded). sorted_token_ids [R] holds t*K+k, T*K on padding rows;
+        expert_ids [N] the local expert of each block, -1 past the last; num_tokens_post_padded
+        [1] the padded total. Unlike moe_align_block_size, the rows of an expert are in token
+        order (deterministic), and experts that are not local get no blocks at all (vLLM gives
+        them blocks marked -1 in expert_ids)."""
+        return self.permuted_to_expanded, self.tile_expert, self.totals[PADDED_TOTAL:PADDED_TOTAL + 1]
+
 
 def _local_args(local: Any) -> Tuple[int, int, int, Optional[Tensor]]:
     if local is None:  # the common case, kept free of object construction for torch.compile

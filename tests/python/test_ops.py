@@ -172,6 +172,43 @@ def test_layout_matches_reference(num_tokens, tile_size, local_name, local, devi
     assert lay.dropped == (2 if num_tokens * K >= 4 else 0)
 
 
+def moe_align_block_size_reference(topk_ids, num_experts, block_size):
+    """vLLM's moe_align_block_size contract, from its documentation: the flat pick indices sorted
+    by expert, each expert's run padded with topk_ids.numel() to a multiple of block_size (no
+    blocks for an expert without picks), the expert of every block, and the padded total. Order
+    inside an expert is not part of that contract; ascending here."""
+    flat = topk_ids.reshape(-1).long().cpu()
+    numel = flat.numel()
+    sorted_ids, expert_ids = [], []
+    for e in range(num_experts):
+        picks = torch.nonzero(flat == e).reshape(-1).tolist()
+        padded = -(-len(picks) // block_size) * block_size
+        sorted_ids += picks + [numel] * (padded - len(picks))
+        expert_ids += [e] * (padded // block_size)
+    return sorted_ids, expert_ids, len(sorted_ids)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("num_tokens", [0, 1, 37, 300])
+def test_layout_as_moe_align_block_size(num_tokens, block_size, device):
+    E, K = 32, 4
+    ids = make_ids(num_tokens, K, E, seed=7 * num_tokens + block_size, device=device, specials=False)
+    lay = call_or_skip_unsupported(sy.layout, ids, E, block_size)
+    sorted_ids, expert_ids, post_pad = lay.as_moe_align_block_size()
+    # Views of the layout's own arrays: nothing is copied.
+    assert sorted_ids.data_ptr() == lay.permuted_to_expanded.data_ptr()
+    assert expert_ids.data_ptr() == lay.tile_expert.data_ptr()
+    assert post_pad.shape == (1,) and post_pad.dtype == torch.int32
+    r_sorted, r_experts, r_total = moe_align_block_size_reference(ids, E, block_size)
+    assert int(post_pad.item()) == r_total
+    assert sorted_ids[:r_total].long().cpu().tolist() == r_sorted
+    assert expert_ids[:len(r_experts)].long().cpu().tolist() == r_experts
+    # Past the used part: padding ids and no expert, as moe_align_block_size's consumers expect.
+    assert bool((sorted_ids[r_total:] == num_tokens * K).all())
+    assert bool((expert_ids[len(r_experts):] == -1).all())
+
+
 @pytest.mark.parametrize("device", devices())
 def test_layout_int64_ids_and_checked_mode(device):
     ids = make_ids(19, 4, 16, seed=1, device=device, specials=False).long()

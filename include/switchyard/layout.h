@@ -78,6 +78,9 @@ struct Layout {
 };
 // Inside an expert, rows are in ascending x (token order): the layout is deterministic.
 // pad(c) = ceil(c / M) * M.
+// With M = block_size, (permuted_to_expanded, tile_expert, totals[kPaddedTotal]) are the
+// (sorted_token_ids, expert_ids, num_tokens_post_padded) of vLLM's moe_align_block_size, with
+// the same padding value T*K; experts that are not local get no tiles (vLLM: tiles marked -1).
 
 // Bytes of scratch memory a layout (or route_and_layout) call on `device` needs for T tokens
 // and K picks; 0 for the CPU backend. Allocate once per shape bound and reuse.

@@ -172,16 +172,16 @@ bool one_block_fits(const LayoutParams& p) {
          layout_detail::one_launch_smem_bytes(p.num_local, false) <= layout_detail::kOneMaxSmem;
 }
 
-std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks, int threads) {
-  return layout_detail::one_launch_smem_bytes(
-      p.num_local, true, layout_detail::cluster_chunk(p.num_picks, blocks), threads / 32);
+std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
+  return layout_detail::one_launch_smem_bytes(p.num_local, true,
+                                              layout_detail::cluster_chunk(p.num_picks, blocks));
 }
 
 // The cluster form fits: N <= max_picks (and at most 8 groups of 32 picks per warp) and its
 // shared memory.
-bool cluster_fits(const LayoutParams& p, int blocks, int threads, long long max_picks) {
-  return p.num_picks <= std::min<long long>(max_picks, 8LL * threads * blocks) &&
-         cluster_smem_bytes(p, blocks, threads) <= layout_detail::kOneMaxSmem;
+bool cluster_fits(const LayoutParams& p, int blocks, long long max_picks) {
+  return p.num_picks <= std::min<long long>(max_picks, 8LL * layout_detail::kOneThreads * blocks) &&
+         cluster_smem_bytes(p, blocks) <= layout_detail::kOneMaxSmem;
 }
 
 // Calls f(std::integral_constant<int, KB>{}) with the compile-time key-bit bound for p.
@@ -215,57 +215,41 @@ Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
 
 // One cluster of CB blocks: the cluster dimension is a launch attribute (with PDL), and CB = 16
 // needs the non-portable opt-in.
-template <auto kKernel, int CB, int THREADS>
+template <auto kKernel, int CB>
 Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream_t stream) {
   const char* name = "layout: cluster_layout_kernel";
   cudaError_t err = allow_dynamic_smem<kKernel>(smem);
   if (err == cudaSuccess && CB > layout_detail::kClusterBlocksPortable)
     err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (err != cudaSuccess) return cuda_status(name, err);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(CB);
-  config.blockDim = dim3(THREADS);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  attribute[1].id = cudaLaunchAttributeClusterDimension;
-  attribute[1].val.clusterDim.x = CB;
-  attribute[1].val.clusterDim.y = 1;
-  attribute[1].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 2;
-  return cuda_status(name, cudaLaunchKernelEx(&config, kKernel, p));
+  return launch_kernel_clustered(name, kKernel, dim3(CB), dim3(layout_detail::kOneThreads), smem, stream,
+                                 /*pdl=*/true, CB, p);
 }
 
-template <int CB, int THREADS, typename Id>
+template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& p, cudaStream_t stream) {
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
-  const std::size_t smem = cluster_smem_bytes(p, CB, THREADS);
+  const std::size_t smem = cluster_smem_bytes(p, CB);
   return with_key_bits(p, [&](auto kb) {
     constexpr int KB = decltype(kb)::value;
     using layout_detail::cluster_layout_kernel;
-    if (chunk <= THREADS * 1)
-      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 1, CB, KB, Id>, CB, THREADS>(p, smem,
-                                                                                               stream);
-    if (chunk <= THREADS * 2)
-      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 2, CB, KB, Id>, CB, THREADS>(p, smem,
-                                                                                               stream);
-    if (chunk <= THREADS * 4)
-      return launch_cluster_kernel<cluster_layout_kernel<THREADS, 4, CB, KB, Id>, CB, THREADS>(p, smem,
-                                                                                               stream);
-    return launch_cluster_kernel<cluster_layout_kernel<THREADS, 8, CB, KB, Id>, CB, THREADS>(p, smem, stream);
+    constexpr int kThreads = layout_detail::kOneThreads;
+    if (chunk <= kThreads * 1)
+      return launch_cluster_kernel<cluster_layout_kernel<1, CB, KB, Id>, CB>(p, smem, stream);
+    if (chunk <= kThreads * 2)
+      return launch_cluster_kernel<cluster_layout_kernel<2, CB, KB, Id>, CB>(p, smem, stream);
+    if (chunk <= kThreads * 4)
+      return launch_cluster_kernel<cluster_layout_kernel<4, CB, KB, Id>, CB>(p, smem, stream);
+    return launch_cluster_kernel<cluster_layout_kernel<8, CB, KB, Id>, CB>(p, smem, stream);
   });
 }
 
-// Whether this device can run one 16-block cluster of THREADS-thread blocks of the layout kernel
-// with this much shared memory (asked once per device, block size and shared-memory class; a
-// cluster needs 16 free SMs of one GPC). Any error reads as "no".
-template <int THREADS, typename Id>
+// Whether this device can run one 16-block cluster of the layout kernel with this much shared
+// memory (asked once per device and shared-memory class; a cluster needs 16 free SMs of one
+// GPC). Any error reads as "no".
+template <typename Id>
 bool cluster16_schedulable(std::size_t smem) {
-  constexpr auto kKernel =
-      layout_detail::cluster_layout_kernel<THREADS, 1, 16, layout_detail::kKeyBitsSmall, Id>;
+  constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id>;
   static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;
@@ -280,15 +264,11 @@ bool cluster16_schedulable(std::size_t smem) {
   if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(16);
-    config.blockDim = dim3(THREADS);
+    config.blockDim = dim3(layout_detail::kOneThreads);
     config.dynamicSmemBytes = probe;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = 16;
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute attribute[2];
     config.attrs = attribute;
-    config.numAttrs = 1;
+    config.numAttrs = launch_attributes(/*pdl=*/false, 16, attribute);
     err = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config);
   }
   if (err != cudaSuccess) (void)cudaGetLastError();  // a refused probe leaves no error behind
@@ -350,22 +330,19 @@ ForcedPath forced_path() {
 
 template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
-  using layout_detail::kOneThreads;
   const LayoutParams p = make_params(a);
-  const auto cluster16_fits = [&](long long max_picks) {
-    return cluster_fits(p, 16, kOneThreads, max_picks) &&
-           cluster16_schedulable<kOneThreads, Id>(cluster_smem_bytes(p, 16, kOneThreads));
+  const auto cluster16_fits = [&] {
+    return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
   };
   switch (forced_path()) {
     case ForcedPath::kOneBlock:
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
       break;
     case ForcedPath::kCluster8:
-      if (cluster_fits(p, 8, kOneThreads, kCluster8MaxPicks))
-        return launch_cluster<8, kOneThreads, Id>(p, stream);
+      if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
       break;
     case ForcedPath::kCluster16:
-      if (cluster16_fits(kCluster16MaxPicks)) return launch_cluster<16, kOneThreads, Id>(p, stream);
+      if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
       break;
     case ForcedPath::kChunked:
       return launch_multi_kernel<Id>(p, a, stream);
@@ -373,9 +350,8 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
       break;
   }
   if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
-  if (cluster16_fits(kCluster16MaxPicks)) return launch_cluster<16, kOneThreads, Id>(p, stream);
-  if (cluster_fits(p, 8, kOneThreads, kCluster8MaxPicks))
-    return launch_cluster<8, kOneThreads, Id>(p, stream);
+  if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
+  if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
   return launch_multi_kernel<Id>(p, a, stream);
 }
 

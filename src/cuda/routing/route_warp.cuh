@@ -480,6 +480,35 @@ __device__ __forceinline__ void buffer_insert(std::uint32_t (&bk)[D], int (&bb)[
   bb[0] = gt[0] ? base : bb[0];
 }
 
+// Removes the buffer's head (the lane's pick of this round): the rest move up, the tail empties.
+template <int D>
+__device__ __forceinline__ void buffer_pop(std::uint32_t (&bk)[D], int (&bb)[D]) {
+#pragma unroll
+  for (int d = 0; d + 1 < D; ++d) {
+    bk[d] = bk[d + 1];
+    bb[d] = bb[d + 1];
+  }
+  bk[D - 1] = 0u;
+}
+
+// Refills a lane's buffer (and `next`) with its D best candidates that rank after (k, e) in
+// (key desc, expert asc) order, the lane's value j being expert value_base(j) + lane_offset.
+template <class Shape>
+__device__ __forceinline__ void buffer_refill_after(const std::uint32_t (&key)[Shape::kValues],
+                                                    std::uint32_t (&bk)[Shape::D], int (&bb)[Shape::D],
+                                                    std::uint32_t& next, std::uint32_t k, int e,
+                                                    int lane_offset) {
+#pragma unroll
+  for (int d = 0; d < Shape::D; ++d) bk[d] = 0u;
+  next = 0u;
+#pragma unroll
+  for (int j = 0; j < Shape::kValues; ++j) {
+    const int base = value_base<Shape>(j);
+    const bool after = key[j] < k || (key[j] == k && base + lane_offset > e);
+    buffer_insert<Shape::D>(bk, bb, next, after ? key[j] : 0u, base);
+  }
+}
+
 // Max / min over the W lanes of a segment. A whole warp uses redux.sync; segments use xor
 // butterflies: redux.sync writes a warp-uniform register, so with one membermask per segment
 // the compiler serializes it segment by segment (WARPSYNC.COLLECTIVE), which costs more than
@@ -502,6 +531,19 @@ __device__ __forceinline__ std::uint32_t segment_min(std::uint32_t v) {
 #pragma unroll
     for (int off = W / 2; off >= 1; off /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, off));
     return v;
+  }
+}
+
+// The last step of both fast softmax forms: v[j] = p = e / sum (e >= 2^-64, sum in [1, 4096]:
+// div_fast is exact) and its key. p >= 2^-76 > 0, so canonical_key(p) is p's bits with the sign
+// bit set; absent experts get key 0 from the caller.
+template <int V>
+__device__ __forceinline__ void softmax_fast_divide(float (&v)[V], std::uint32_t (&key)[V],
+                                                    const SoftmaxRow& sm) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    v[j] = div_fast(v[j], sm.sum, sm.rcp);
+    key[j] = __float_as_uint(v[j]) | 0x80000000u;
   }
 }
 
@@ -540,13 +582,7 @@ __device__ __forceinline__ bool softmax_fast(float (&v)[Shape::kValues], std::ui
   }
   sm.sum = softmax_row_sum<Shape::W>(acc);
   sm.rcp = rcp_normal(sm.sum);
-  // p >= 2^-76 > 0 here, so canonical_key(p) is p's bits with the sign bit set. Absent
-  // experts get key 0 from the caller.
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    v[j] = div_fast(v[j], sm.sum, sm.rcp);
-    key[j] = __float_as_uint(v[j]) | 0x80000000u;
-  }
+  softmax_fast_divide<V>(v, key, sm);
   return true;
 }
 
@@ -592,11 +628,7 @@ __device__ __forceinline__ bool softmax_fast_branchy(float (&v)[Shape::kValues],
   }
   sm.sum = softmax_row_sum<W>(acc);
   sm.rcp = __frcp_rn(sm.sum);
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    v[j] = div_fast(v[j], sm.sum, sm.rcp);
-    key[j] = __float_as_uint(v[j]) | 0x80000000u;
-  }
+  softmax_fast_divide<V>(v, key, sm);
   return true;
 }
 
@@ -963,14 +995,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
       pick_key[r / W] = mk;
       pick_e[r / W] = static_cast<int>(we);
     }
-    if (won) {
-#pragma unroll
-      for (int d = 0; d + 1 < D; ++d) {
-        bk[d] = bk[d + 1];
-        bb[d] = bb[d + 1];
-      }
-      bk[D - 1] = 0u;
-    }
+    if (won) buffer_pop<D>(bk, bb);
     last_mk = mk;
   }
   // Check. Picks come in rank order and their keys do not increase. A dry lane (bk[0] == 0)
@@ -1009,15 +1034,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
         }
       }
     }
-#pragma unroll
-    for (int d = 0; d < D; ++d) bk[d] = 0u;
-    next = 0u;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int base = value_base<Shape>(j);
-      const bool after = key[j] < pk || (key[j] == pk && base + lane4 > pe);
-      buffer_insert<D>(bk, bb, next, after ? key[j] : 0u, base);
-    }
+    buffer_refill_after<Shape>(key, bk, bb, next, pk, pe, lane4);
     std::uint32_t gk = 0u;
     int gb = 0;
     // Exact rounds: a lane whose buffer runs dry shows `next` (the largest key it has left, see
@@ -1034,16 +1051,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
       const bool rescan = won && ghost != 0;
       if (__any_sync(kFullMask, rescan)) {
         if (rescan) {
-          // Next D candidates after the last pop (gk, gb) in (key desc, expert asc) order.
-#pragma unroll
-          for (int d = 0; d < D; ++d) bk[d] = 0u;
-          next = 0u;
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const int base = value_base<Shape>(j);
-            const bool after = key[j] < gk || (key[j] == gk && base > gb);
-            buffer_insert<D>(bk, bb, next, after ? key[j] : 0u, base);
-          }
+          // Next D candidates after the last pop (gk, gb; gb lane-relative).
+          buffer_refill_after<Shape>(key, bk, bb, next, gk, gb, 0);
           ghost = 0;
         }
         continue;  // redo the round (segments without a rescan get the same answer)
@@ -1062,12 +1071,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
           gb = bb[0];
           bk[0] = next;
         } else {
-#pragma unroll
-          for (int d = 0; d + 1 < D; ++d) {
-            bk[d] = bk[d + 1];
-            bb[d] = bb[d + 1];
-          }
-          bk[D - 1] = 0u;
+          buffer_pop<D>(bk, bb);
         }
       }
       ++r;

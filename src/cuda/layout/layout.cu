@@ -128,26 +128,39 @@ LayoutParams make_params(const detail::LayoutArgs& a) {
 constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
 constexpr int kMaxDevicesCached = 64;
 
+// Sets a kernel attribute whose larger values include the smaller ones (a shared-memory size, a
+// 0/1 permission) to at least `value` on the current device, remembering per device the largest
+// value set so far (a host-side cache: the attribute call does not repeat on every launch).
 // kKernel is a template argument so that each kernel has its own cache (every layout kernel has
 // the same signature, so a cache keyed by signature would be shared).
-template <auto kKernel>
-cudaError_t allow_dynamic_smem(std::size_t bytes) {
-  if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;
-  // The largest opt-in granted so far for this kernel, per device (a host-side cache, so that the
-  // attribute call does not repeat on every call).
-  static std::atomic<std::size_t> granted[kMaxDevicesCached];
+template <auto kKernel, cudaFuncAttribute kAttribute>
+cudaError_t set_attribute_at_least(int value) {
+  static std::atomic<int> granted[kMaxDevicesCached];
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const bool cacheable = device >= 0 && device < kMaxDevicesCached;
-  if (cacheable && granted[device].load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
-  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (cacheable && granted[device].load(std::memory_order_relaxed) >= value) return cudaSuccess;
+  err = cudaFuncSetAttribute(kKernel, kAttribute, value);
   if (err == cudaSuccess && cacheable) {
-    std::size_t seen = granted[device].load(std::memory_order_relaxed);
-    while (seen < bytes && !granted[device].compare_exchange_weak(seen, bytes)) {
+    int seen = granted[device].load(std::memory_order_relaxed);
+    while (seen < value && !granted[device].compare_exchange_weak(seen, value)) {
     }
   }
   return err;
+}
+
+template <auto kKernel>
+cudaError_t allow_dynamic_smem(std::size_t bytes) {
+  if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;
+  return set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(
+      static_cast<int>(bytes));
+}
+
+// Clusters past the portable 8 blocks (16 on H100 / H200).
+template <auto kKernel>
+cudaError_t allow_nonportable_clusters() {
+  return set_attribute_at_least<kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
 }
 
 template <auto kKernel, typename... Args>
@@ -220,7 +233,7 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
   const char* name = "layout: cluster_layout_kernel";
   cudaError_t err = allow_dynamic_smem<kKernel>(smem);
   if (err == cudaSuccess && CB > layout_detail::kClusterBlocksPortable)
-    err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    err = allow_nonportable_clusters<kKernel>();
   if (err != cudaSuccess) return cuda_status(name, err);
   return launch_kernel_clustered(name, kKernel, dim3(CB), dim3(layout_detail::kOneThreads), smem, stream,
                                  /*pdl=*/true, CB, p);
@@ -258,8 +271,7 @@ bool cluster16_schedulable(std::size_t smem) {
   if (known != 0) return known == 1;
   const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
   cudaError_t err = allow_dynamic_smem<kKernel>(probe);
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (err == cudaSuccess) err = allow_nonportable_clusters<kKernel>();
   int clusters = 0;
   if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};

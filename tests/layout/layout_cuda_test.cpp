@@ -753,73 +753,128 @@ TEST(LayoutCuda, GraphCaptureAndReplayWithNewIds) {
   }
 }
 
+// One route_and_layout call: the CPU result for some logits, and the GPU buffers (outputs with
+// guard zones) of the same call, which can be run (or captured) on any stream.
+struct RouteLayoutCall {
+  switchyard::ModelPreset preset;
+  Case c;
+  bool weights_bf16 = false;
+  std::size_t n = 0;  // T * K
+  std::size_t id_bytes = 4, w_bytes = 4;
+  DType id_type = DType::kInt32, w_type = DType::kFloat32;
+  // CPU results for the last logits given to set_logits.
+  std::vector<std::int64_t> cpu_ids;  // raw storage for either id type
+  std::vector<float> cpu_weights;     // raw storage for either weight type
+  HostLayout want;
+  // GPU.
+  DeviceBuffer d_logits, d_bias, d_ids, d_weights, ws;
+  std::size_t ws_bytes = 0;
+  DeviceLayout got;
+
+  RouteLayoutCall(const switchyard::ModelPreset& preset_, const Case& c_, bool weights_bf16_)
+      : preset(preset_),
+        c(c_),
+        weights_bf16(weights_bf16_),
+        n(static_cast<std::size_t>(c_.T * preset_.routing.top_k)),
+        id_bytes(c_.ids64 ? 8 : 4),
+        w_bytes(weights_bf16_ ? 2 : 4),
+        id_type(c_.ids64 ? DType::kInt64 : DType::kInt32),
+        w_type(weights_bf16_ ? DType::kBFloat16 : DType::kFloat32),
+        cpu_ids(n, 0),
+        cpu_weights(n, 0.f),
+        want(Sizes(c_.T, preset_.routing.top_k, num_local(c_), c_.M)),
+        d_logits(static_cast<std::size_t>(std::max<std::int64_t>(c_.T, 1) * preset_.routing.num_experts) * 4),
+        d_bias(static_cast<std::size_t>(preset_.routing.num_experts) * 4),
+        d_ids(n * id_bytes + kGuard * 8),
+        d_weights(n * w_bytes + kGuard * 8),
+        got(Sizes(c_.T, preset_.routing.top_k, num_local(c_), c_.M)) {
+    const LayoutConfig config = make_config(c, nullptr, Device::cuda());
+    EXPECT_TRUE(switchyard::layout_workspace_size(config, c.T, preset.routing.top_k, Device::cuda(), &ws_bytes).ok());
+    ws = DeviceBuffer(ws_bytes);
+  }
+
+  // New logits (and bias) for both backends: runs the CPU call, uploads to the GPU buffers and
+  // poisons the GPU outputs.
+  void set_logits(const std::vector<float>& logits, const std::vector<float>& bias) {
+    const std::int64_t T = c.T;
+    const int E = preset.routing.num_experts;
+    const int K = preset.routing.top_k;
+    const TensorView cpu_bias =
+        preset.has_bias ? TensorView::of(bias.data(), DType::kFloat32, {E}, Device::cpu()) : TensorView{};
+    const Status s = switchyard::route_and_layout(
+        preset.routing, TensorView::of(logits.data(), DType::kFloat32, {T, E}, Device::cpu()), cpu_bias,
+        TensorView::of(cpu_ids.data(), id_type, {T, K}, Device::cpu()),
+        TensorView::of(cpu_weights.data(), w_type, {T, K}, Device::cpu()),
+        make_config(c, nullptr, Device::cpu()), want.views(), nullptr, 0);
+    ASSERT_TRUE(s.ok()) << "CPU: " << s.to_string();
+    if (!logits.empty())
+      SY_CUDA_OK(cudaMemcpy(d_logits.get(), logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
+    SY_CUDA_OK(cudaMemcpy(d_bias.get(), bias.data(), bias.size() * 4, cudaMemcpyHostToDevice));
+    sy_test::poison(d_ids);
+    sy_test::poison(d_weights);
+    got.poison();
+  }
+
+  Status run(cudaStream_t stream) const {
+    const std::int64_t T = c.T;
+    const int E = preset.routing.num_experts;
+    const int K = preset.routing.top_k;
+    const TensorView gpu_bias =
+        preset.has_bias ? TensorView::of(d_bias.get(), DType::kFloat32, {E}, Device::cuda()) : TensorView{};
+    return switchyard::route_and_layout(
+        preset.routing, TensorView::of(d_logits.get(), DType::kFloat32, {T, E}, Device::cuda()), gpu_bias,
+        TensorView::of(d_ids.get(), id_type, {T, K}, Device::cuda()),
+        TensorView::of(d_weights.get(), w_type, {T, K}, Device::cuda()), make_config(c, nullptr, Device::cuda()),
+        got.views(), ws.get(), ws_bytes, stream);
+  }
+
+  // The GPU outputs equal the CPU's (ids and weights bit for bit: both backends run the same
+  // exact arithmetic, routing.h), and the guards kept their poison.
+  void expect_match() const {
+    std::vector<unsigned char> ids_got(n * id_bytes + kGuard * 8);
+    std::vector<unsigned char> weights_got(n * w_bytes + kGuard * 8);
+    SY_CUDA_OK(cudaMemcpy(ids_got.data(), d_ids.get(), ids_got.size(), cudaMemcpyDeviceToHost));
+    SY_CUDA_OK(cudaMemcpy(weights_got.data(), d_weights.get(), weights_got.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(ids_got.data(), cpu_ids.data(), n * id_bytes), 0) << "topk_ids differ";
+    EXPECT_EQ(std::memcmp(weights_got.data(), cpu_weights.data(), n * w_bytes), 0) << "topk_weights differ";
+    EXPECT_TRUE(std::all_of(ids_got.begin() + n * id_bytes, ids_got.end(), [](unsigned char b) {
+      return b == 0xA5;
+    })) << "topk_ids written past [T,K]";
+    EXPECT_TRUE(std::all_of(weights_got.begin() + n * w_bytes, weights_got.end(), [](unsigned char b) {
+      return b == 0xA5;
+    })) << "topk_weights written past [T,K]";
+    expect_same_layout(want, got);
+  }
+};
+
+// Fresh random logits and bias for a call.
+void random_logits(const RouteLayoutCall& call, std::mt19937_64& g, std::vector<float>* logits,
+                   std::vector<float>* bias) {
+  const int E = call.preset.routing.num_experts;
+  *logits = sy_test::random_normal(static_cast<std::size_t>(call.c.T * E), g());
+  *bias = sy_test::random_normal(static_cast<std::size_t>(E), g(), 0.1f);
+}
+
 // One route_and_layout call on both backends with the same logits; compares ids and weights bit
-// for bit (both backends run the same exact arithmetic, routing.h) and every layout array.
+// for bit and every layout array.
 void check_route_and_layout(const switchyard::ModelPreset& preset, const Case& c, bool weights_bf16,
                             std::mt19937_64& g) {
   SCOPED_TRACE(preset.name + " " + describe(c) + (weights_bf16 ? " weights=bf16" : " weights=fp32"));
-  const std::int64_t T = c.T;
-  const int E = preset.routing.num_experts;
-  const int K = preset.routing.top_k;
-  const std::vector<float> logits = sy_test::random_normal(static_cast<std::size_t>(T * E), g());
-  const std::vector<float> bias = sy_test::random_normal(static_cast<std::size_t>(E), g(), 0.1f);
-  const std::size_t n = static_cast<std::size_t>(T * K);
-  const std::size_t id_bytes = c.ids64 ? 8 : 4;
-  const std::size_t w_bytes = weights_bf16 ? 2 : 4;
-  const DType id_type = c.ids64 ? DType::kInt64 : DType::kInt32;
-  const DType w_type = weights_bf16 ? DType::kBFloat16 : DType::kFloat32;
-  // CPU.
-  std::vector<std::int64_t> cpu_ids(n, 0);  // raw storage for either id type
-  std::vector<float> cpu_weights(n, 0.f);   // raw storage for either weight type
-  HostLayout want(Sizes(T, K, num_local(c), c.M));
-  const TensorView cpu_bias =
-      preset.has_bias ? TensorView::of(bias.data(), DType::kFloat32, {E}, Device::cpu()) : TensorView{};
-  Status s = switchyard::route_and_layout(
-      preset.routing, TensorView::of(logits.data(), DType::kFloat32, {T, E}, Device::cpu()), cpu_bias,
-      TensorView::of(cpu_ids.data(), id_type, {T, K}, Device::cpu()),
-      TensorView::of(cpu_weights.data(), w_type, {T, K}, Device::cpu()),
-      make_config(c, nullptr, Device::cpu()), want.views(), nullptr, 0);
-  ASSERT_TRUE(s.ok()) << "CPU: " << s.to_string();
-  // GPU, outputs poisoned, each followed by a guard zone.
-  DeviceBuffer d_logits = sy_test::to_device(logits);
-  DeviceBuffer d_bias = sy_test::to_device(bias);
-  DeviceBuffer d_ids(n * id_bytes + kGuard * 8);
-  DeviceBuffer d_weights(n * w_bytes + kGuard * 8);
-  sy_test::poison(d_ids);
-  sy_test::poison(d_weights);
-  DeviceLayout got(Sizes(T, K, num_local(c), c.M));
-  got.poison();
-  const LayoutConfig config = make_config(c, nullptr, Device::cuda());
-  std::size_t ws_bytes = 0;
-  ASSERT_TRUE(switchyard::layout_workspace_size(config, T, K, Device::cuda(), &ws_bytes).ok());
-  DeviceBuffer ws(ws_bytes);
-  const TensorView gpu_bias =
-      preset.has_bias ? TensorView::of(d_bias.get(), DType::kFloat32, {E}, Device::cuda()) : TensorView{};
-  s = switchyard::route_and_layout(preset.routing,
-                                   TensorView::of(d_logits.get(), DType::kFloat32, {T, E}, Device::cuda()),
-                                   gpu_bias, TensorView::of(d_ids.get(), id_type, {T, K}, Device::cuda()),
-                                   TensorView::of(d_weights.get(), w_type, {T, K}, Device::cuda()), config,
-                                   got.views(), ws.get(), ws_bytes, nullptr);
+  RouteLayoutCall call(preset, c, weights_bf16);
+  std::vector<float> logits, bias;
+  random_logits(call, g, &logits, &bias);
+  call.set_logits(logits, bias);
+  if (testing::Test::HasFatalFailure()) return;
+  const Status s = call.run(nullptr);
   ASSERT_TRUE(s.ok()) << "GPU: " << s.to_string();
   SY_CUDA_OK(cudaDeviceSynchronize());
-  std::vector<unsigned char> ids_got(n * id_bytes + kGuard * 8);
-  std::vector<unsigned char> weights_got(n * w_bytes + kGuard * 8);
-  SY_CUDA_OK(cudaMemcpy(ids_got.data(), d_ids.get(), ids_got.size(), cudaMemcpyDeviceToHost));
-  SY_CUDA_OK(cudaMemcpy(weights_got.data(), d_weights.get(), weights_got.size(), cudaMemcpyDeviceToHost));
-  EXPECT_EQ(std::memcmp(ids_got.data(), cpu_ids.data(), n * id_bytes), 0) << "topk_ids differ";
-  EXPECT_EQ(std::memcmp(weights_got.data(), cpu_weights.data(), n * w_bytes), 0) << "topk_weights differ";
-  EXPECT_TRUE(std::all_of(ids_got.begin() + n * id_bytes, ids_got.end(), [](unsigned char b) {
-    return b == 0xA5;
-  })) << "topk_ids written past [T,K]";
-  EXPECT_TRUE(std::all_of(weights_got.begin() + n * w_bytes, weights_got.end(), [](unsigned char b) {
-    return b == 0xA5;
-  })) << "topk_weights written past [T,K]";
-  expect_same_layout(want, got);
+  call.expect_match();
 }
 
-// route_and_layout for the presets of the issue at T = 1, 19, 64, 65, 256 and 8192 (the layout
-// side crosses its one-block, cluster and chunked paths), all experts local and a quarter of them
-// (int64 ids).
+// route_and_layout for the presets of the issue at T = 1 .. 257 (the one-launch kernel up to
+// T = 256: one block, 16 rows per block, several blocks for the padding rows (T = 16), a
+// 16-block cluster past T = 128; T = 257: two launches) and 8192 (two launches, the layout's
+// cluster path), all experts local and a quarter of them (int64 ids).
 TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
@@ -829,7 +884,7 @@ TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
     switchyard::ModelPreset preset;
     ASSERT_TRUE(switchyard::find_preset(name, &preset).ok()) << name;
     const int E = preset.routing.num_experts;
-    for (const std::int64_t T : {1, 19, 64, 65, 256, 8192}) {
+    for (const std::int64_t T : {1, 16, 19, 64, 65, 129, 256, 257, 8192}) {
       for (const bool ids64 : {false, true}) {
         Case c;
         c.T = T;
@@ -873,6 +928,54 @@ TEST(LayoutCuda, RouteAndLayoutAllPresets) {
         c.stride = 3;
       }
       check_route_and_layout(preset, c, T == 7, g);
+      if (HasFailure()) return;
+    }
+  }
+}
+
+// Capture one route_and_layout call in a CUDA graph on a non-default stream, then replay it with
+// new logits copied into the same buffer: the one-launch kernel (T = 64, and T = 200 as a 16-block
+// cluster) and the two launches (T = 1000).
+TEST(LayoutCuda, RouteAndLayoutGraphReplayWithNewLogits) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const char* name : {"deepseek-v3", "kimi-k2"}) {
+    switchyard::ModelPreset preset;
+    ASSERT_TRUE(switchyard::find_preset(name, &preset).ok()) << name;
+    for (const std::int64_t T : {64, 200, 1000}) {
+      Case c;
+      c.T = T;
+      c.E = preset.routing.num_experts;
+      c.K = preset.routing.top_k;
+      c.M = 128;
+      SCOPED_TRACE(preset.name + " " + describe(c));
+      RouteLayoutCall call(preset, c, false);
+      std::vector<float> logits, bias;
+      random_logits(call, g, &logits, &bias);
+      call.set_logits(logits, bias);
+      cudaStream_t stream;
+      SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      SY_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const Status s = call.run(stream);
+      SY_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      SY_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int replay = 0; replay < 3; ++replay) {
+        SCOPED_TRACE("replay " + std::to_string(replay));
+        random_logits(call, g, &logits, &bias);
+        call.set_logits(logits, bias);
+        SY_CUDA_OK(cudaDeviceSynchronize());
+        SY_CUDA_OK(cudaGraphLaunch(exec, stream));
+        SY_CUDA_OK(cudaStreamSynchronize(stream));
+        call.expect_match();
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
       if (HasFailure()) return;
     }
   }

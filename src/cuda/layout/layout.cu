@@ -3,21 +3,27 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
+#include "cuda/layout/layout_launch.cuh"
 #include "cuda/layout/one_launch_layout_kernel.cuh"
+#include "cuda/layout/route_layout.h"
 
 namespace switchyard::cuda {
 
 namespace {
 
+using layout_detail::allow_dynamic_smem;
+using layout_detail::allow_nonportable_clusters;
+using layout_detail::cluster16_schedulable;
+using layout_detail::forced_path;
+using layout_detail::ForcedPath;
 using layout_detail::LayoutParams;
+using layout_detail::make_params;
 
 // Path selection, by the number of picks N = T*K (one_launch_layout_kernel.cuh while its shared
 // memory fits):
@@ -30,8 +36,7 @@ using layout_detail::LayoutParams;
 // N = 8192: 6.09 / 5.89 / 9.60; N = 32768: 10.84 / 8.27 / 11.86; N = 65536: - / 11.30 / 12.20.
 // A 16-block cluster of 1024-thread blocks (half the picks per warp) took 7.83 / 9.53 / 12.73:
 // its 64-register cap spilled.
-// SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|chunked (environment, read per call) forces
-// a path where it fits the call: a tuning and testing knob, not needed for correct results.
+// SWITCHYARD_LAYOUT_PATH (layout_launch.cuh) forces a path where it fits the call.
 constexpr long long kOneBlockMaxPicks = 4096;
 constexpr long long kCluster8MaxPicks = 32768;   // 8 groups of 32 picks per warp of 512 threads
 constexpr long long kCluster16MaxPicks = 65536;  // ditto for 16 blocks
@@ -86,81 +91,6 @@ WorkspaceLayout workspace_layout(long long picks, int num_local) {
       align_up(static_cast<std::size_t>(chunks) * std::max(num_local, 0) * sizeof(std::int32_t));
   w.bytes = w.dropped_offset + align_up(static_cast<std::size_t>(chunks) * sizeof(std::int32_t));
   return w;
-}
-
-int bit_width(unsigned v) {
-  int bits = 0;
-  while (v != 0) {
-    ++bits;
-    v >>= 1;
-  }
-  return bits;
-}
-
-LayoutParams make_params(const detail::LayoutArgs& a) {
-  LayoutParams p;
-  p.num_tokens = static_cast<int>(a.num_tokens);
-  p.top_k = a.top_k;
-  p.num_picks = static_cast<int>(a.num_tokens * a.top_k);
-  p.num_experts = a.num_experts;
-  p.num_local = a.num_local;
-  p.tile_size = a.tile_size;
-  p.key_bits = std::max(1, bit_width(static_cast<unsigned>(a.num_local)));  // keys 0..L
-  p.local_start = a.local_start;
-  p.local_stride = a.local_stride;
-  p.expert_map = a.expert_map;
-  p.capacity_rows = static_cast<int>(a.capacity_rows);
-  p.capacity_tiles = static_cast<int>(a.capacity_tiles);
-  p.topk_ids = a.topk_ids;
-  p.counts = a.counts;
-  p.offsets = a.offsets;
-  p.permuted_to_expanded = a.permuted_to_expanded;
-  p.permuted_to_token = a.permuted_to_token;
-  p.expanded_to_permuted = a.expanded_to_permuted;
-  p.tile_expert = a.tile_expert;
-  p.tile_row_end = a.tile_row_end;
-  p.totals = a.totals;
-  return p;
-}
-
-// Kernels whose static + dynamic shared memory may pass the 48 KB default need an opt-in per
-// device; below this many dynamic bytes every layout kernel stays under it (static <= 36 KB).
-constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
-constexpr int kMaxDevicesCached = 64;
-
-// Sets a kernel attribute whose larger values include the smaller ones (a shared-memory size, a
-// 0/1 permission) to at least `value` on the current device, remembering per device the largest
-// value set so far (a host-side cache: the attribute call does not repeat on every launch).
-// kKernel is a template argument so that each kernel has its own cache (every layout kernel has
-// the same signature, so a cache keyed by signature would be shared).
-template <auto kKernel, cudaFuncAttribute kAttribute>
-cudaError_t set_attribute_at_least(int value) {
-  static std::atomic<int> granted[kMaxDevicesCached];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cacheable = device >= 0 && device < kMaxDevicesCached;
-  if (cacheable && granted[device].load(std::memory_order_relaxed) >= value) return cudaSuccess;
-  err = cudaFuncSetAttribute(kKernel, kAttribute, value);
-  if (err == cudaSuccess && cacheable) {
-    int seen = granted[device].load(std::memory_order_relaxed);
-    while (seen < value && !granted[device].compare_exchange_weak(seen, value)) {
-    }
-  }
-  return err;
-}
-
-template <auto kKernel>
-cudaError_t allow_dynamic_smem(std::size_t bytes) {
-  if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;
-  return set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(
-      static_cast<int>(bytes));
-}
-
-// Clusters past the portable 8 blocks (16 on H100 / H200).
-template <auto kKernel>
-cudaError_t allow_nonportable_clusters() {
-  return set_attribute_at_least<kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
 }
 
 template <auto kKernel, typename... Args>
@@ -257,38 +187,6 @@ Status launch_cluster(const LayoutParams& p, cudaStream_t stream) {
   });
 }
 
-// Whether this device can run one 16-block cluster of the layout kernel with this much shared
-// memory (asked once per device and shared-memory class; a cluster needs 16 free SMs of one
-// GPC). Any error reads as "no".
-template <typename Id>
-bool cluster16_schedulable(std::size_t smem) {
-  constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id>;
-  static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;
-  const int cls = smem > 64 * 1024 ? 1 : 0;
-  const int known = cache[device][cls].load(std::memory_order_relaxed);
-  if (known != 0) return known == 1;
-  const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
-  cudaError_t err = allow_dynamic_smem<kKernel>(probe);
-  if (err == cudaSuccess) err = allow_nonportable_clusters<kKernel>();
-  int clusters = 0;
-  if (err == cudaSuccess) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(16);
-    config.blockDim = dim3(layout_detail::kOneThreads);
-    config.dynamicSmemBytes = probe;
-    cudaLaunchAttribute attribute[2];
-    config.attrs = attribute;
-    config.numAttrs = launch_attributes(/*pdl=*/false, 16, attribute);
-    err = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config);
-  }
-  if (err != cudaSuccess) (void)cudaGetLastError();  // a refused probe leaves no error behind
-  const bool ok = err == cudaSuccess && clusters > 0;
-  cache[device][cls].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
-}
-
 template <typename Id>
 Status launch_small(const LayoutParams& p, cudaStream_t stream) {
   if (p.num_picks <= 128) return launch_small_config<128, 1, Id>(p, stream);
@@ -312,7 +210,7 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
   SY_RETURN_IF_ERROR(
       launch<histogram>("layout: chunk_histogram_kernel", chunks, dim3(THREADS), hist_bytes, stream, p));
   const unsigned scan_blocks = static_cast<unsigned>(std::max<long long>(1, ceil_div(p.num_local, 32)));
-  SY_RETURN_IF_ERROR(launch<layout_detail::chunk_scan_kernel>(
+  SY_RETURN_IF_ERROR(launch<layout_detail::chunk_scan_kernel<layout_detail::kScanRowsY>>(
       "layout: chunk_scan_kernel", dim3(scan_blocks), dim3(32, layout_detail::kScanRowsY), 0, stream, p));
   return launch<scatter>("layout: chunk_scatter_kernel", chunks, dim3(THREADS),
                          layout_detail::expert_arrays_bytes(p.num_local), stream, p);
@@ -327,24 +225,13 @@ Status launch_multi_kernel(const LayoutParams& p, const detail::LayoutArgs& a, c
   return launch_chunked<kLargeThreads, kLargeItems, Id>(p, a, stream);
 }
 
-enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kChunked };
-
-ForcedPath forced_path() {
-  const char* v = std::getenv("SWITCHYARD_LAYOUT_PATH");
-  if (v == nullptr) return ForcedPath::kNone;
-  const std::string s(v);
-  if (s == "one_block") return ForcedPath::kOneBlock;
-  if (s == "cluster8") return ForcedPath::kCluster8;
-  if (s == "cluster16") return ForcedPath::kCluster16;
-  if (s == "chunked") return ForcedPath::kChunked;
-  return ForcedPath::kNone;
-}
-
 template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   const LayoutParams p = make_params(a);
   const auto cluster16_fits = [&] {
-    return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
+    return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<
+               layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id>>(
+               cluster_smem_bytes(p, 16));
   };
   switch (forced_path()) {
     case ForcedPath::kOneBlock:
@@ -397,10 +284,14 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
                         Stream stream) {
   // A layout the backend cannot do fails before routing writes anything.
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
-  // The routing kernel, then the layout kernels, chained by programmatic dependent launch. (A
-  // single fused route+layout kernel existed up to 6aaec95; measured on the H200 it took 8.4 /
-  // 10.2 us at T = 1 / 16 for deepseek-v3 against 7.0 / 7.4 us for these two launches once the
-  // one-launch layout kernel landed, so it was removed.)
+  // Small T: one launch (route_layout.cu) where the shapes allow it; a forced layout path
+  // (SWITCHYARD_LAYOUT_PATH) asks for the two launches below.
+  if (forced_path() == ForcedPath::kNone) {
+    bool launched = false;
+    const Status fused = route_and_layout_one_launch(route_args, layout_args, stream, &launched);
+    if (launched || !fused.ok()) return fused;
+  }
+  // The routing kernel, then the layout kernels, chained by programmatic dependent launch.
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

@@ -12,6 +12,7 @@
 #include "cuda/layout/layout_launch.cuh"
 #include "cuda/layout/one_launch_layout_kernel.cuh"
 #include "cuda/layout/route_layout.h"
+#include "cuda/layout/tiny_layout_kernel.cuh"
 
 namespace switchyard::cuda {
 
@@ -25,8 +26,10 @@ using layout_detail::ForcedPath;
 using layout_detail::LayoutParams;
 using layout_detail::make_params;
 
-// Path selection, by the number of picks N = T*K (one_launch_layout_kernel.cuh while its shared
-// memory fits):
+// Path selection, by the number of picks N = T*K:
+//   N <= kTinyMaxPicks (128):  tiny_layout_kernel (tiny_layout_kernel.cuh) while L <= 2048, one
+//                              launch, one warp per block computes everything;
+// then one_launch_layout_kernel.cuh while its shared memory fits:
 //   N <= kOneBlockMaxPicks:    one_block_layout_kernel, one launch, every block ranks all picks;
 //   N <= kCluster16MaxPicks:   cluster_layout_kernel, one launch of one 16-block cluster where the
 //                              device can schedule one, else of one 8-block cluster up to
@@ -135,6 +138,21 @@ Status with_key_bits(const LayoutParams& p, F&& f) {
   return f(std::integral_constant<int, layout_detail::kKeyBitsLarge>{});
 }
 
+bool tiny_fits(const LayoutParams& p) {
+  return p.num_picks <= layout_detail::kTinyMaxPicks && p.num_local <= layout_detail::kTinyMaxLocal;
+}
+
+template <typename Id>
+Status launch_tiny(const LayoutParams& p, cudaStream_t stream) {
+  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
+  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
+  return with_key_bits(p, [&](auto kb) {
+    return launch<layout_detail::tiny_layout_kernel<decltype(kb)::value, Id>>(
+        "layout: tiny_layout_kernel", dim3(static_cast<unsigned>(blocks)), dim3(layout_detail::kTinyThreads),
+        layout_detail::tiny_smem_bytes(p.num_local), stream, p);
+  });
+}
+
 template <int ITEMS, typename Id>
 Status launch_one_block_config(const LayoutParams& p, cudaStream_t stream) {
   const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
@@ -234,6 +252,9 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
                cluster_smem_bytes(p, 16));
   };
   switch (forced_path()) {
+    case ForcedPath::kTiny:
+      if (tiny_fits(p)) return launch_tiny<Id>(p, stream);
+      break;
     case ForcedPath::kOneBlock:
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
       break;
@@ -248,6 +269,7 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
     case ForcedPath::kNone:
       break;
   }
+  if (tiny_fits(p)) return launch_tiny<Id>(p, stream);
   if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
   if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
   if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);

@@ -123,15 +123,16 @@ bool cluster16_schedulable(std::size_t smem) {
   return ok;
 }
 
-// SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|chunked (environment, read per call) forces
+// SWITCHYARD_LAYOUT_PATH=tiny|one_block|cluster8|cluster16|chunked (environment, read per call) forces
 // a layout path where it fits the call; route_and_layout then runs route() and layout() as two
 // launches. A tuning and testing knob, not needed for correct results.
-enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kChunked };
+enum class ForcedPath { kNone, kTiny, kOneBlock, kCluster8, kCluster16, kChunked };
 
 inline ForcedPath forced_path() {
   const char* v = std::getenv("SWITCHYARD_LAYOUT_PATH");
   if (v == nullptr) return ForcedPath::kNone;
   const std::string s(v);
+  if (s == "tiny") return ForcedPath::kTiny;
   if (s == "one_block") return ForcedPath::kOneBlock;
   if (s == "cluster8") return ForcedPath::kCluster8;
   if (s == "cluster16") return ForcedPath::kCluster16;

@@ -98,7 +98,7 @@ __host__ __device__ inline constexpr int cluster_chunk(int N, int CB) {
 // Dynamic shared memory (int32): hist[warps][L], offs[L + 1], ends[L]; the cluster form adds
 // base[L] (row of the block's first pick of l), block_counts[L + 1] ([L] = dropped ids),
 // lstart[L] (the block's first staged pick of l) and the staging arrays stage_x[chunk],
-// stage_row[chunk]. `chunk` is the picks per block (Src::chunk; 0 for the one-block form).
+// stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form).
 __host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0) {
   return (static_cast<std::size_t>(kOneWarps + 2 + (cluster ? 3 : 0)) * L + 1 + (cluster ? 1 : 0) +
           (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
@@ -127,32 +127,12 @@ __device__ __forceinline__ int padded_count32(int c, std::uint32_t m) {
   return static_cast<int>((static_cast<std::uint32_t>(c) + m - 1) / m * m);
 }
 
-// Where the layout's ids come from (the `Src` of one_launch_layout): the interface, and the
-// layout from given ids. The fused route + layout kernel (route_layout.cu) routes them instead.
-//   Raw:                 the type of one id as read;
-//   kExactCluster:       the cluster form runs as exactly CB blocks (else gridDim.x <= CB);
-//   chunk(N):            picks per block in the cluster form (contiguous in x, block order);
-//   after_wait(p):       called by every thread right after pdl_wait() (a block barrier inside
-//                        is allowed);
-//   id(p, x):            pick x's id, for x in this block's chunk (cluster form) or any x.
-template <typename Id, int CB>
-struct GlobalIds {
-  using Raw = Id;
-  static constexpr bool kExactCluster = true;
-  __device__ __forceinline__ int chunk(int N) const { return cluster_chunk(N, CB); }
-  __device__ __forceinline__ void after_wait(const LayoutParams&) {}
-  __device__ __forceinline__ Id id(const LayoutParams& p, int x) const {
-    return static_cast<const Id*>(p.topk_ids)[x];
-  }
-};
-
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
-// cluster of CB blocks), or gridDim.x <= CB blocks when !Src::kExactCluster.
-template <int ITEMS, int CB, int KB, class Src>
-__device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn, Src& src) {
+// cluster of CB blocks).
+template <int ITEMS, int CB, int KB, typename Id>
+__device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
   constexpr bool kCluster = CB > 0;
-  using Id = typename Src::Raw;
   const int L = p.num_local;
   const int N = p.num_picks;
   const int tid = static_cast<int>(threadIdx.x);
@@ -174,14 +154,13 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   if (tid == 0) sh.dropped = 0;
   pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
   pdl_wait();
-  src.after_wait(p);
 
   // The picks this block ranks: all of them, or chunk `block` (a multiple of 32 picks long).
   int c0 = 0;
   int c1 = N;
   int chunk = 0;
   if constexpr (kCluster) {
-    chunk = src.chunk(N);
+    chunk = cluster_chunk(N, CB);
     c0 = min(N, block * chunk);
     c1 = min(N, c0 + chunk);
   }
@@ -190,11 +169,12 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int groups = (c1 - c0 + 31) >> 5;
   const int per_warp = (groups + kOneWarps - 1) / kOneWarps;  // <= ITEMS
   const int group0 = warp * per_warp;
+  const Id* ids = static_cast<const Id*>(p.topk_ids);
   Id raw[ITEMS];
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     const int x = c0 + (group0 + j) * 32 + lane;
-    raw[j] = (j < per_warp && x < c1) ? src.id(p, x) : Id(-1);
+    raw[j] = (j < per_warp && x < c1) ? ids[x] : Id(-1);
   }
 
   // The one-block form, while the ids load: this block's slices of the rows and tiles get the
@@ -267,15 +247,13 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     if (tid == 0) block_counts[L] = sh.dropped;
     cg::this_cluster().sync();  // every block's counts are published
     // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks.
-    const auto in_cluster = [&](int b) { return Src::kExactCluster || b < blocks; };
     const int* remote[CB];
 #pragma unroll
-    for (int b = 0; b < CB; ++b)
-      remote[b] = in_cluster(b) ? cg::this_cluster().map_shared_rank(block_counts, b) : nullptr;
+    for (int b = 0; b < CB; ++b) remote[b] = cg::this_cluster().map_shared_rank(block_counts, b);
     for (int l = e_begin; l < e_end; ++l) {
       int v[CB];
 #pragma unroll
-      for (int b = 0; b < CB; ++b) v[b] = in_cluster(b) ? remote[b][l] : 0;
+      for (int b = 0; b < CB; ++b) v[b] = remote[b][l];
       int before = 0;
       int c = 0;
 #pragma unroll
@@ -288,7 +266,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     }
     if (block == 0 && tid == 0) {
 #pragma unroll
-      for (int b = 0; b < CB; ++b) dropped_total += in_cluster(b) ? remote[b][L] : 0;
+      for (int b = 0; b < CB; ++b) dropped_total += remote[b][L];
     }
   } else {
     dropped_total = sh.dropped;
@@ -442,8 +420,7 @@ template <int ITEMS, int KB, typename Id>
 __global__ void __launch_bounds__(kOneThreads, 1) one_block_layout_kernel(const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
-  GlobalIds<Id, 0> src;
-  one_launch_layout<ITEMS, 0, KB>(p, sh, one_dyn, src);
+  one_launch_layout<ITEMS, 0, KB, Id>(p, sh, one_dyn);
 }
 
 // Launched as one cluster of CB blocks (the cluster dimension is a launch attribute, see layout.cu).
@@ -451,8 +428,7 @@ template <int ITEMS, int CB, int KB, typename Id>
 __global__ void __launch_bounds__(kOneThreads, 1) cluster_layout_kernel(const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
-  GlobalIds<Id, CB> src;
-  one_launch_layout<ITEMS, CB, KB>(p, sh, one_dyn, src);
+  one_launch_layout<ITEMS, CB, KB, Id>(p, sh, one_dyn);
 }
 
 }  // namespace switchyard::cuda::layout_detail

@@ -3,33 +3,24 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
-#include "cuda/layout/layout_launch.cuh"
 #include "cuda/layout/one_launch_layout_kernel.cuh"
-#include "cuda/layout/route_layout.h"
-#include "cuda/layout/tiny_layout_kernel.cuh"
 
 namespace switchyard::cuda {
 
 namespace {
 
-using layout_detail::allow_dynamic_smem;
-using layout_detail::allow_nonportable_clusters;
-using layout_detail::cluster16_schedulable;
-using layout_detail::forced_path;
-using layout_detail::ForcedPath;
 using layout_detail::LayoutParams;
-using layout_detail::make_params;
 
-// Path selection, by the number of picks N = T*K:
-//   N <= kTinyMaxPicks (128):  tiny_layout_kernel (tiny_layout_kernel.cuh) while L <= 2048, one
-//                              launch, one warp per block computes everything;
-// then one_launch_layout_kernel.cuh while its shared memory fits:
+// Path selection, by the number of picks N = T*K (one_launch_layout_kernel.cuh while its shared
+// memory fits):
 //   N <= kOneBlockMaxPicks:    one_block_layout_kernel, one launch, every block ranks all picks;
 //   N <= kCluster16MaxPicks:   cluster_layout_kernel, one launch of one 16-block cluster where the
 //                              device can schedule one, else of one 8-block cluster up to
@@ -39,7 +30,8 @@ using layout_detail::make_params;
 // N = 8192: 6.09 / 5.89 / 9.60; N = 32768: 10.84 / 8.27 / 11.86; N = 65536: - / 11.30 / 12.20.
 // A 16-block cluster of 1024-thread blocks (half the picks per warp) took 7.83 / 9.53 / 12.73:
 // its 64-register cap spilled.
-// SWITCHYARD_LAYOUT_PATH (layout_launch.cuh) forces a path where it fits the call.
+// SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|chunked (environment, read per call) forces
+// a path where it fits the call: a tuning and testing knob, not needed for correct results.
 constexpr long long kOneBlockMaxPicks = 4096;
 constexpr long long kCluster8MaxPicks = 32768;   // 8 groups of 32 picks per warp of 512 threads
 constexpr long long kCluster16MaxPicks = 65536;  // ditto for 16 blocks
@@ -96,6 +88,81 @@ WorkspaceLayout workspace_layout(long long picks, int num_local) {
   return w;
 }
 
+int bit_width(unsigned v) {
+  int bits = 0;
+  while (v != 0) {
+    ++bits;
+    v >>= 1;
+  }
+  return bits;
+}
+
+LayoutParams make_params(const detail::LayoutArgs& a) {
+  LayoutParams p;
+  p.num_tokens = static_cast<int>(a.num_tokens);
+  p.top_k = a.top_k;
+  p.num_picks = static_cast<int>(a.num_tokens * a.top_k);
+  p.num_experts = a.num_experts;
+  p.num_local = a.num_local;
+  p.tile_size = a.tile_size;
+  p.key_bits = std::max(1, bit_width(static_cast<unsigned>(a.num_local)));  // keys 0..L
+  p.local_start = a.local_start;
+  p.local_stride = a.local_stride;
+  p.expert_map = a.expert_map;
+  p.capacity_rows = static_cast<int>(a.capacity_rows);
+  p.capacity_tiles = static_cast<int>(a.capacity_tiles);
+  p.topk_ids = a.topk_ids;
+  p.counts = a.counts;
+  p.offsets = a.offsets;
+  p.permuted_to_expanded = a.permuted_to_expanded;
+  p.permuted_to_token = a.permuted_to_token;
+  p.expanded_to_permuted = a.expanded_to_permuted;
+  p.tile_expert = a.tile_expert;
+  p.tile_row_end = a.tile_row_end;
+  p.totals = a.totals;
+  return p;
+}
+
+// Kernels whose static + dynamic shared memory may pass the 48 KB default need an opt-in per
+// device; below this many dynamic bytes every layout kernel stays under it (static <= 36 KB).
+constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
+constexpr int kMaxDevicesCached = 64;
+
+// Sets a kernel attribute whose larger values include the smaller ones (a shared-memory size, a
+// 0/1 permission) to at least `value` on the current device, remembering per device the largest
+// value set so far (a host-side cache: the attribute call does not repeat on every launch).
+// kKernel is a template argument so that each kernel has its own cache (every layout kernel has
+// the same signature, so a cache keyed by signature would be shared).
+template <auto kKernel, cudaFuncAttribute kAttribute>
+cudaError_t set_attribute_at_least(int value) {
+  static std::atomic<int> granted[kMaxDevicesCached];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cacheable = device >= 0 && device < kMaxDevicesCached;
+  if (cacheable && granted[device].load(std::memory_order_relaxed) >= value) return cudaSuccess;
+  err = cudaFuncSetAttribute(kKernel, kAttribute, value);
+  if (err == cudaSuccess && cacheable) {
+    int seen = granted[device].load(std::memory_order_relaxed);
+    while (seen < value && !granted[device].compare_exchange_weak(seen, value)) {
+    }
+  }
+  return err;
+}
+
+template <auto kKernel>
+cudaError_t allow_dynamic_smem(std::size_t bytes) {
+  if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;
+  return set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(
+      static_cast<int>(bytes));
+}
+
+// Clusters past the portable 8 blocks (16 on H100 / H200).
+template <auto kKernel>
+cudaError_t allow_nonportable_clusters() {
+  return set_attribute_at_least<kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
+}
+
 template <auto kKernel, typename... Args>
 Status launch(const char* name, dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
               const Args&... args) {
@@ -136,21 +203,6 @@ Status with_key_bits(const LayoutParams& p, F&& f) {
   if (layout_detail::key_bits_bound(p.key_bits) == layout_detail::kKeyBitsSmall)
     return f(std::integral_constant<int, layout_detail::kKeyBitsSmall>{});
   return f(std::integral_constant<int, layout_detail::kKeyBitsLarge>{});
-}
-
-bool tiny_fits(const LayoutParams& p) {
-  return p.num_picks <= layout_detail::kTinyMaxPicks && p.num_local <= layout_detail::kTinyMaxLocal;
-}
-
-template <typename Id>
-Status launch_tiny(const LayoutParams& p, cudaStream_t stream) {
-  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
-  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
-  return with_key_bits(p, [&](auto kb) {
-    return launch<layout_detail::tiny_layout_kernel<decltype(kb)::value, Id>>(
-        "layout: tiny_layout_kernel", dim3(static_cast<unsigned>(blocks)), dim3(layout_detail::kTinyThreads),
-        layout_detail::tiny_smem_bytes(p.num_local), stream, p);
-  });
 }
 
 template <int ITEMS, typename Id>
@@ -205,6 +257,38 @@ Status launch_cluster(const LayoutParams& p, cudaStream_t stream) {
   });
 }
 
+// Whether this device can run one 16-block cluster of the layout kernel with this much shared
+// memory (asked once per device and shared-memory class; a cluster needs 16 free SMs of one
+// GPC). Any error reads as "no".
+template <typename Id>
+bool cluster16_schedulable(std::size_t smem) {
+  constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id>;
+  static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;
+  const int cls = smem > 64 * 1024 ? 1 : 0;
+  const int known = cache[device][cls].load(std::memory_order_relaxed);
+  if (known != 0) return known == 1;
+  const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
+  cudaError_t err = allow_dynamic_smem<kKernel>(probe);
+  if (err == cudaSuccess) err = allow_nonportable_clusters<kKernel>();
+  int clusters = 0;
+  if (err == cudaSuccess) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(16);
+    config.blockDim = dim3(layout_detail::kOneThreads);
+    config.dynamicSmemBytes = probe;
+    cudaLaunchAttribute attribute[2];
+    config.attrs = attribute;
+    config.numAttrs = launch_attributes(/*pdl=*/false, 16, attribute);
+    err = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config);
+  }
+  if (err != cudaSuccess) (void)cudaGetLastError();  // a refused probe leaves no error behind
+  const bool ok = err == cudaSuccess && clusters > 0;
+  cache[device][cls].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
 template <typename Id>
 Status launch_small(const LayoutParams& p, cudaStream_t stream) {
   if (p.num_picks <= 128) return launch_small_config<128, 1, Id>(p, stream);
@@ -228,7 +312,7 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
   SY_RETURN_IF_ERROR(
       launch<histogram>("layout: chunk_histogram_kernel", chunks, dim3(THREADS), hist_bytes, stream, p));
   const unsigned scan_blocks = static_cast<unsigned>(std::max<long long>(1, ceil_div(p.num_local, 32)));
-  SY_RETURN_IF_ERROR(launch<layout_detail::chunk_scan_kernel<layout_detail::kScanRowsY>>(
+  SY_RETURN_IF_ERROR(launch<layout_detail::chunk_scan_kernel>(
       "layout: chunk_scan_kernel", dim3(scan_blocks), dim3(32, layout_detail::kScanRowsY), 0, stream, p));
   return launch<scatter>("layout: chunk_scatter_kernel", chunks, dim3(THREADS),
                          layout_detail::expert_arrays_bytes(p.num_local), stream, p);
@@ -243,18 +327,26 @@ Status launch_multi_kernel(const LayoutParams& p, const detail::LayoutArgs& a, c
   return launch_chunked<kLargeThreads, kLargeItems, Id>(p, a, stream);
 }
 
+enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kChunked };
+
+ForcedPath forced_path() {
+  const char* v = std::getenv("SWITCHYARD_LAYOUT_PATH");
+  if (v == nullptr) return ForcedPath::kNone;
+  const std::string s(v);
+  if (s == "one_block") return ForcedPath::kOneBlock;
+  if (s == "cluster8") return ForcedPath::kCluster8;
+  if (s == "cluster16") return ForcedPath::kCluster16;
+  if (s == "chunked") return ForcedPath::kChunked;
+  return ForcedPath::kNone;
+}
+
 template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   const LayoutParams p = make_params(a);
   const auto cluster16_fits = [&] {
-    return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<
-               layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id>>(
-               cluster_smem_bytes(p, 16));
+    return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
   };
   switch (forced_path()) {
-    case ForcedPath::kTiny:
-      if (tiny_fits(p)) return launch_tiny<Id>(p, stream);
-      break;
     case ForcedPath::kOneBlock:
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
       break;
@@ -269,7 +361,6 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
     case ForcedPath::kNone:
       break;
   }
-  if (tiny_fits(p)) return launch_tiny<Id>(p, stream);
   if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
   if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
   if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
@@ -306,14 +397,22 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
                         Stream stream) {
   // A layout the backend cannot do fails before routing writes anything.
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
-  // Small T: one launch (route_layout.cu) where the shapes allow it; a forced layout path
-  // (SWITCHYARD_LAYOUT_PATH) asks for the two launches below.
-  if (forced_path() == ForcedPath::kNone) {
-    bool launched = false;
-    const Status fused = route_and_layout_one_launch(route_args, layout_args, stream, &launched);
-    if (launched || !fused.ok()) return fused;
-  }
-  // The routing kernel, then the layout kernels, chained by programmatic dependent launch.
+  // The routing kernel, then the layout kernels, chained by programmatic dependent launch. One
+  // launch was tried three times and measured slower on the H200 (deepseek-v3, fp32 logits, us at
+  // T = 1 / 16 / 256, against these two launches at the time):
+  //  * every block routing all rows, then a lean layout (up to 6aaec95): 8.4 / 10.2 / - (7.0 / 7.4);
+  //  * one cluster of up to 16 blocks, each routing its own rows (a warp per row, route_warp with
+  //    the routing kernel's specialisations) and running the cluster form of
+  //    one_launch_layout_kernel.cuh on them (3eced95): 9.0 / 9.2 / 11.4 (6.1 / 6.7 / 9.1); at
+  //    small N the cluster form ran twice the one-block kernel's instructions (per-expert reads
+  //    of every block's counts through distributed shared memory, a per-expert padding pass);
+  //  * every block routing all T <= 16 rows, then a layout computed by one warp per block (a warp
+  //    shuffle scan over the experts instead of the block-wide phases, ffae7a4): 6.4 / 8.5 / -
+  //    (6.1 / 6.7); that one-warp layout alone took 3.9 / 5.1 us at T = 1 / 16 against the
+  //    one-block kernel's 3.2 / 3.2: a single warp's dependent chain of ~500-700 instructions
+  //    outlasts the block-wide phases.
+  // Routing's own latency (1.9 - 3.0 us at T = 1) and the layout's stay on the critical path
+  // either way; the second launch itself is mostly hidden by PDL.
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

@@ -454,11 +454,7 @@ __global__ void __launch_bounds__(THREADS) chunk_histogram_kernel(const LayoutPa
 constexpr int kScanRowsY = 32;  // blockDim = (32, kScanRowsY)
 constexpr int kScanBatch = 8;   // column loads in flight per thread
 
-// A template (ROWS_Y = kScanRowsY) like every kernel of this header, so that two translation units
-// may include it (layout.cu launches it).
-template <int ROWS_Y>
-__global__ void __launch_bounds__(32 * ROWS_Y) chunk_scan_kernel(const LayoutParams p) {
-  static_assert(ROWS_Y == kScanRowsY, "blockDim.y must be kScanRowsY");
+__global__ void __launch_bounds__(32 * kScanRowsY) chunk_scan_kernel(const LayoutParams p) {
   __shared__ int part_sums[kScanRowsY][33];
   __shared__ int dropped_total;
   const int lane = static_cast<int>(threadIdx.x);

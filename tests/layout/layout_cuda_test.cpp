@@ -471,7 +471,8 @@ TEST(LayoutCuda, SecondaryAxesCrossProduct) {
 // Pick counts at and around every path boundary (the one-block path up to 4096 picks in steps of
 // 512 and 2048; the 8-block cluster path up to 12288 picks; the
 // sorting one-kernel path up to 4096 picks when L is too large for those; chunks of 512 up to
-// 131072, chunks of 4096 above), chunk boundaries, and L around the shared-memory limits.
+// 131072, chunks of 2048 above while chunks x L <= 65536 (N = 524288 at L = 256), else of 4096),
+// chunk boundaries, and L around the shared-memory limits.
 TEST(LayoutCuda, PathBoundaries) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
@@ -483,7 +484,8 @@ TEST(LayoutCuda, PathBoundaries) {
       {65535, 2}, {1, 32},   {128, 32},  {129, 32},  {4095, 32}, {512, 1},    {513, 1},
       {8192, 1},  {8193, 1}, {16384, 1}, {16385, 1}, {1024, 8},  {1025, 8},   {2048, 8},
       {2049, 8},  {33, 16},  {4096, 8},  {4097, 8},  {32768, 1}, {32769, 1},  {33281, 1},
-      {8192, 8},  {8193, 8}, {65536, 1}, {65537, 1}, {4103, 1},  {6000, 3}};
+      {8192, 8},  {8193, 8}, {65536, 1}, {65537, 1}, {4103, 1},  {6000, 3},  {65536, 8},
+      {65537, 8}};
   for (const auto& [T, K] : shapes) {
     check_case(random_case(T, 256, K, g), g());
     if (HasFatalFailure()) return;

@@ -48,9 +48,16 @@ constexpr long long kMediumMaxPicks = 131072;  // three kernels, chunks of kMedi
 constexpr int kMediumThreads = 256;
 constexpr int kMediumItems = 2;
 constexpr int kMediumChunk = kMediumThreads * kMediumItems;  // 512
+// Past kMediumMaxPicks: chunks of 2048 picks while the chunk histograms (chunks x L entries, which
+// the scan kernel reads twice) stay within kFineMaxHistEntries, else chunks of 4096. Measured on
+// the H200 (us, chunks of 4096 / 2048): E=256 K=8 T = 65536 (256 x 256 entries with 2048)
+// 21.94 / 17.52, T = 262144 41.02 / 55.06; E=512 K=10 T = 65536 23.82 / 26.38.
 constexpr int kLargeThreads = 512;
 constexpr int kLargeItems = 8;
 constexpr int kLargeChunk = kLargeThreads * kLargeItems;  // 4096
+constexpr int kFineItems = 4;
+constexpr int kFineChunk = kLargeThreads * kFineItems;  // 2048
+constexpr long long kFineMaxHistEntries = 65536;
 
 // Small path: blocks share the writes, about this many output rows each, and at most this many
 // blocks (each one repeats the sort of all N <= 4096 picks, so more blocks cost L2 reads only).
@@ -62,12 +69,23 @@ constexpr std::size_t kWorkspaceAlign = 256;
 long long ceil_div(long long a, long long b) { return (a + b - 1) / b; }
 std::size_t align_up(std::size_t v) { return (v + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
+// Whether N > kMediumMaxPicks picks over L experts take the chunks of kFineChunk picks.
+bool fine_chunks(long long picks, int num_local) {
+  return ceil_div(picks, kFineChunk) * std::max(num_local, 1) <= kFineMaxHistEntries;
+}
+
 // Chunks the workspace must hold for any N' <= N: a workspace sized for a shape bound must serve
-// every smaller call, and the chunk count drops where the chunk grows (N = 131072 -> 131073).
-long long workspace_chunks(long long picks) {
+// every smaller call, and the chunk count drops where the chunk grows (N = 131072 -> 131073, and
+// where the chunks of 2048 give way to those of 4096).
+long long workspace_chunks(long long picks, int num_local) {
   if (picks <= kSmallMaxPicks) return 0;
   long long chunks = ceil_div(std::min(picks, kMediumMaxPicks), kMediumChunk);
-  if (picks > kMediumMaxPicks) chunks = std::max(chunks, ceil_div(picks, kLargeChunk));
+  if (picks > kMediumMaxPicks) {
+    chunks = std::max(chunks, ceil_div(picks, kLargeChunk));
+    // The most fine chunks any N' <= N takes: ceil(N' / 2048) * L <= kFineMaxHistEntries.
+    const long long fine = std::min(ceil_div(picks, kFineChunk), kFineMaxHistEntries / std::max(num_local, 1));
+    chunks = std::max(chunks, fine);
+  }
   return chunks;
 }
 
@@ -79,7 +97,7 @@ struct WorkspaceLayout {
 
 WorkspaceLayout workspace_layout(long long picks, int num_local) {
   WorkspaceLayout w;
-  const long long chunks = workspace_chunks(picks);
+  const long long chunks = workspace_chunks(picks, num_local);
   if (chunks == 0) return w;
   w.hist_offset = 0;
   w.dropped_offset =
@@ -324,6 +342,7 @@ template <typename Id>
 Status launch_multi_kernel(const LayoutParams& p, const detail::LayoutArgs& a, cudaStream_t stream) {
   if (p.num_picks <= kSmallMaxPicks) return launch_small<Id>(p, stream);
   if (p.num_picks <= kMediumMaxPicks) return launch_chunked<kMediumThreads, kMediumItems, Id>(p, a, stream);
+  if (fine_chunks(p.num_picks, p.num_local)) return launch_chunked<kLargeThreads, kFineItems, Id>(p, a, stream);
   return launch_chunked<kLargeThreads, kLargeItems, Id>(p, a, stream);
 }
 

@@ -15,7 +15,8 @@ Status route(const detail::RouteArgs& args, Stream stream);
 // Scratch bytes the CUDA layout needs for these shapes.
 std::size_t layout_workspace_bytes(const detail::LayoutArgs& shape);
 Status layout(const detail::LayoutArgs& args, Stream stream);
-// Route and layout in as few launches as the shapes allow (one at small T).
+// Route, then layout: two kernels chained by programmatic dependent launch (layout.cu says why
+// not one).
 Status route_and_layout(const detail::RouteArgs& route_args, const detail::LayoutArgs& layout_args,
                         Stream stream);
 

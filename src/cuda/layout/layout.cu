@@ -223,31 +223,28 @@ Status with_key_bits(const LayoutParams& p, F&& f) {
   return f(std::integral_constant<int, layout_detail::kKeyBitsLarge>{});
 }
 
-template <int ITEMS, int THREADS, typename Id>
+template <int ITEMS, typename Id>
 Status launch_one_block_config(const LayoutParams& p, cudaStream_t stream) {
   const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
   return with_key_bits(p, [&](auto kb) {
-    return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id, THREADS>>(
-        "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)), dim3(THREADS),
-        layout_detail::one_launch_smem_bytes(p.num_local, false, 0, THREADS / 32), stream, p);
+    return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id>>(
+        "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
+        dim3(layout_detail::kOneThreads), layout_detail::one_launch_smem_bytes(p.num_local, false), stream,
+        p);
   });
 }
 
 // ITEMS = groups of 32 picks per warp: a block ranks N (one block) or N / CB (cluster) picks.
-// Past 512 picks the block has 1024 threads where their per-warp histograms fit (L <= 1204):
-// half the ranking per warp and twice the warps to hide its latency.
+// (1024-thread blocks past 512 picks, half the groups per warp, measured slower on the H200 at
+// afc61dc: E=256 K=8 T = 128 / 256 4.45 / 5.34 us against 4.02 / 5.00; E=512 K=10 5.55 / 6.59
+// against 5.03 / 6.10.)
 template <typename Id>
 Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
   constexpr int kThreads = layout_detail::kOneThreads;
-  constexpr int kWide = layout_detail::kOneThreadsWide;
-  if (p.num_picks <= kThreads * 1) return launch_one_block_config<1, kThreads, Id>(p, stream);
-  if (layout_detail::one_launch_smem_bytes(p.num_local, false, 0, kWide / 32) <= layout_detail::kOneMaxSmem) {
-    if (p.num_picks <= kWide * 2) return launch_one_block_config<2, kWide, Id>(p, stream);
-    return launch_one_block_config<4, kWide, Id>(p, stream);
-  }
-  if (p.num_picks <= kThreads * 4) return launch_one_block_config<4, kThreads, Id>(p, stream);
-  return launch_one_block_config<8, kThreads, Id>(p, stream);
+  if (p.num_picks <= kThreads * 1) return launch_one_block_config<1, Id>(p, stream);
+  if (p.num_picks <= kThreads * 4) return launch_one_block_config<4, Id>(p, stream);
+  return launch_one_block_config<8, Id>(p, stream);
 }
 
 // One cluster of CB blocks: the cluster dimension is a launch attribute (with PDL), and CB = 16

@@ -82,11 +82,9 @@ __device__ __forceinline__ unsigned lanemask_lt() {
   return m;
 }
 
-constexpr int kOneThreads = 512;  // the cluster form (1024-thread cluster blocks spilled: layout.cu)
+constexpr int kOneThreads = 512;  // both forms (1024-thread cluster blocks spilled: layout.cu)
 constexpr int kOneWarps = kOneThreads / 32;
-// The one-block form also runs with 1024 threads past 512 picks (layout.cu): twice the warps to
-// share the ranking and hide its latency.
-constexpr int kOneThreadsWide = 1024;
+static_assert(kOneWarps % 4 == 0, "the histogram is zeroed with 16-byte stores");
 // Cluster sizes: 8 is portable (always schedulable on sm_90); 16 needs the non-portable opt-in
 // and a GPC with 16 free SMs (H100 / H200 have them; the launcher checks).
 constexpr int kClusterBlocksPortable = 8;
@@ -101,9 +99,8 @@ __host__ __device__ inline constexpr int cluster_chunk(int N, int CB) {
 // base[L] (row of the block's first pick of l), block_counts[L + 1] ([L] = dropped ids),
 // lstart[L] (the block's first staged pick of l) and the staging arrays stage_x[chunk],
 // stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form).
-__host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0,
-                                                                       int warps = kOneWarps) {
-  return (static_cast<std::size_t>(warps + 2 + (cluster ? 3 : 0)) * L + 1 + (cluster ? 1 : 0) +
+__host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0) {
+  return (static_cast<std::size_t>(kOneWarps + 2 + (cluster ? 3 : 0)) * L + 1 + (cluster ? 1 : 0) +
           (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
          4;
 }
@@ -116,11 +113,10 @@ __device__ __forceinline__ void part_range32(int n, int part, int parts, int& be
   end = static_cast<int>(min(static_cast<std::uint32_t>(n), per * (part + 1)));
 }
 
-template <int THREADS>
 struct OneShared {
   union {
-    typename cub::BlockScan<int, THREADS>::TempStorage scan;
-    typename cub::BlockScan<long long, THREADS>::TempStorage scan64;  // cluster form: two sums at once
+    cub::BlockScan<int, kOneThreads>::TempStorage scan;
+    cub::BlockScan<long long, kOneThreads>::TempStorage scan64;  // cluster form: two sums at once
   };
   int dropped;
 };
@@ -131,14 +127,12 @@ __device__ __forceinline__ int padded_count32(int c, std::uint32_t m) {
   return static_cast<int>((static_cast<std::uint32_t>(c) + m - 1) / m * m);
 }
 
-// The whole layout; see the top of this file. Called by all THREADS threads of each block,
+// The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
 // cluster of CB blocks).
-template <int ITEMS, int CB, int KB, typename Id, int THREADS = kOneThreads>
-__device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared<THREADS>& sh, int* dyn) {
+template <int ITEMS, int CB, int KB, typename Id>
+__device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
   constexpr bool kCluster = CB > 0;
-  constexpr int kWarps = THREADS / 32;
-  static_assert(kWarps % 4 == 0, "the histogram is zeroed with 16-byte stores");
   const int L = p.num_local;
   const int N = p.num_picks;
   const int tid = static_cast<int>(threadIdx.x);
@@ -146,8 +140,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int lane = tid & 31;
   const int block = static_cast<int>(blockIdx.x);
   const int blocks = static_cast<int>(gridDim.x);
-  int* hist = dyn;                                 // [kWarps][L]
-  int* offs = hist + kWarps * L;                   // [L + 1]
+  int* hist = dyn;                                 // [kOneWarps][L]
+  int* offs = hist + kOneWarps * L;                // [L + 1]
   int* ends = offs + L + 1;                        // [L]
   int* base = kCluster ? ends + L : offs;          // [L]
   int* block_counts = kCluster ? base + L : ends;  // [L + 1] (cluster form only)
@@ -155,7 +149,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int* stage_x = lstart + L;                       // [chunk] (cluster form only)
 
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
-  for (int i = tid; i < kWarps / 4 * L; i += THREADS)
+  for (int i = tid; i < kOneWarps / 4 * L; i += kOneThreads)
     reinterpret_cast<int4*>(hist)[i] = int4{0, 0, 0, 0};
   if (tid == 0) sh.dropped = 0;
   pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
@@ -173,7 +167,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int* stage_row = stage_x + chunk;  // [chunk] (cluster form only)
   // Groups of 32 picks: warp w owns groups [w * per_warp, (w + 1) * per_warp) of the chunk.
   const int groups = (c1 - c0 + 31) >> 5;
-  const int per_warp = (groups + kWarps - 1) / kWarps;  // <= ITEMS
+  const int per_warp = (groups + kOneWarps - 1) / kOneWarps;  // <= ITEMS
   const int group0 = warp * per_warp;
   const Id* ids = static_cast<const Id*>(p.topk_ids);
   Id raw[ITEMS];
@@ -193,11 +187,11 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   part_range32(p.capacity_rows, block, blocks, r0, r1);
   part_range32(p.capacity_tiles, block, blocks, t0, t1);
   if constexpr (!kCluster) {
-    for (int r = r0 + tid; r < r1; r += THREADS) {
+    for (int r = r0 + tid; r < r1; r += kOneThreads) {
       p.permuted_to_expanded[r] = pad_expanded;
       p.permuted_to_token[r] = pad_token;
     }
-    for (int t = t0 + tid; t < t1; t += THREADS) {
+    for (int t = t0 + tid; t < t1; t += kOneThreads) {
       p.tile_expert[t] = -1;
       p.tile_row_end[t] = static_cast<int>(static_cast<long long>(t) * M);
     }
@@ -232,24 +226,18 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
 
   // 2. Per expert (thread t owns experts [e_begin, e_end)): hist[w][l] -> its exclusive prefix
   //    over w; the block's count of l.
-  const int per_thread = (L + THREADS - 1) / THREADS;
+  const int per_thread = (L + kOneThreads - 1) / kOneThreads;
   const int e_begin = min(L, tid * per_thread);
   const int e_end = min(L, e_begin + per_thread);
   for (int l = e_begin; l < e_end; ++l) {
-    // All loads of 16 rows before their stores (the compiler cannot tell the rows apart); 16 at
-    // a time keeps the 1024-thread form within its 64 registers.
-    constexpr int kRowsAtOnce = kWarps < 16 ? kWarps : 16;
+    int v[kOneWarps];  // all loads before any store (the compiler cannot tell the rows apart)
+#pragma unroll
+    for (int w = 0; w < kOneWarps; ++w) v[w] = hist[w * L + l];
     int c = 0;
 #pragma unroll
-    for (int w0 = 0; w0 < kWarps; w0 += kRowsAtOnce) {
-      int v[kRowsAtOnce];
-#pragma unroll
-      for (int w = 0; w < kRowsAtOnce; ++w) v[w] = hist[(w0 + w) * L + l];
-#pragma unroll
-      for (int w = 0; w < kRowsAtOnce; ++w) {
-        hist[(w0 + w) * L + l] = c;
-        c += v[w];
-      }
+    for (int w = 0; w < kOneWarps; ++w) {
+      hist[w * L + l] = c;
+      c += v[w];
     }
     block_counts[l] = c;  // one block: ends[l] holds the count until the scan
   }
@@ -298,13 +286,13 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int placed = 0;   // cluster form: the block's picks that get a row
   if constexpr (kCluster) {
     long long prefix64, total64;
-    cub::BlockScan<long long, THREADS>(sh.scan64).ExclusiveSum(run_sum, prefix64, total64);
+    cub::BlockScan<long long, kOneThreads>(sh.scan64).ExclusiveSum(run_sum, prefix64, total64);
     prefix = static_cast<int>(prefix64 >> 32);
     lprefix = static_cast<int>(prefix64 & 0xffffffffLL);
     padded_total = static_cast<int>(total64 >> 32);
     placed = static_cast<int>(total64 & 0xffffffffLL);
   } else {
-    cub::BlockScan<int, THREADS>(sh.scan).ExclusiveSum(static_cast<int>(run_sum), prefix, padded_total);
+    cub::BlockScan<int, kOneThreads>(sh.scan).ExclusiveSum(static_cast<int>(run_sum), prefix, padded_total);
   }
   int l0, l1;  // this block's slice of experts (counts, offsets)
   part_range32(L, block, blocks, l0, l1);
@@ -373,7 +361,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   }
   if constexpr (kCluster) {
     __syncthreads();  // staged
-    for (int s = tid; s < placed; s += THREADS) {
+    for (int s = tid; s < placed; s += kOneThreads) {
       const int x = stage_x[s];
       const int row = stage_row[s];
       p.permuted_to_expanded[row] = x;
@@ -386,7 +374,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   //     cluster form also writes the slice's tiles past num_tiles here.
   const int num_tiles = padded_total / M;
   const int tile_end = min(t1, num_tiles);
-  for (int t = t0 + tid; t < tile_end; t += THREADS) {
+  for (int t = t0 + tid; t < tile_end; t += kOneThreads) {
     const int row = t * M;  // < padded_total
     int lo = 0;
     int hi = L;
@@ -404,7 +392,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   }
 
   if constexpr (kCluster) {
-    for (int t = max(t0, num_tiles) + tid; t < t1; t += THREADS) {
+    for (int t = max(t0, num_tiles) + tid; t < t1; t += kOneThreads) {
       p.tile_expert[t] = -1;
       p.tile_row_end[t] = static_cast<int>(static_cast<long long>(t) * M);
     }
@@ -413,13 +401,13 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     //     this block's expert slice, a warp per expert; the rows past padded_total in this
     //     block's row slice. (Giving expert l's padding to the block that holds its last pick
     //     instead put nearly all of it on the last block: 10.9 us instead of 5.9 at N = 8192.)
-    for (int l = l0 + warp; l < l1; l += kWarps) {  // warp-uniform
+    for (int l = l0 + warp; l < l1; l += kOneWarps) {  // warp-uniform
       for (int r = ends[l] + lane; r < offs[l + 1]; r += 32) {
         p.permuted_to_expanded[r] = pad_expanded;
         p.permuted_to_token[r] = pad_token;
       }
     }
-    for (int r = max(r0, padded_total) + tid; r < r1; r += THREADS) {
+    for (int r = max(r0, padded_total) + tid; r < r1; r += kOneThreads) {
       p.permuted_to_expanded[r] = pad_expanded;
       p.permuted_to_token[r] = pad_token;
     }
@@ -428,17 +416,17 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   if constexpr (kCluster) __cluster_barrier_wait();  // our shared memory may go now
 }
 
-template <int ITEMS, int KB, typename Id, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) one_block_layout_kernel(const LayoutParams p) {
-  __shared__ OneShared<THREADS> sh;
+template <int ITEMS, int KB, typename Id>
+__global__ void __launch_bounds__(kOneThreads, 1) one_block_layout_kernel(const LayoutParams p) {
+  __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
-  one_launch_layout<ITEMS, 0, KB, Id, THREADS>(p, sh, one_dyn);
+  one_launch_layout<ITEMS, 0, KB, Id>(p, sh, one_dyn);
 }
 
 // Launched as one cluster of CB blocks (the cluster dimension is a launch attribute, see layout.cu).
 template <int ITEMS, int CB, int KB, typename Id>
 __global__ void __launch_bounds__(kOneThreads, 1) cluster_layout_kernel(const LayoutParams p) {
-  __shared__ OneShared<kOneThreads> sh;
+  __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
   one_launch_layout<ITEMS, CB, KB, Id>(p, sh, one_dyn);
 }

@@ -490,12 +490,12 @@ TEST(LayoutCuda, PathBoundaries) {
     check_case(random_case(T, 256, K, g), g());
     if (HasFatalFailure()) return;
   }
-  // The one-block path holds 18 * L + 1 int32 of shared memory, at most 160 KB: L <= 2275. The
-  // 16-block cluster path holds 21 * L + 2 + 2 * chunk (chunk = ceil(N / 16) to whole 32s): for
-  // N = 4800 (chunk 320) L <= 1919, for N = 16384 (chunk 1024) L <= 1852, for N = 32000 (chunk
-  // 2016) L <= 1758. Both sides of each boundary, where the next path takes over.
-  const std::pair<std::int64_t, int> boundaries[] = {{3, 2275},    {3, 2276},    {600, 1919},  {600, 1920},
-                                                     {2048, 1852}, {2048, 1853}, {4000, 1758}, {4000, 1759}};
+  // The one-block path holds 19 * L + 1 int32 of shared memory, at most 160 KB: L <= 2155. The
+  // 16-block cluster path holds 22 * L + 2 + 2 * chunk (chunk = ceil(N / 16) to whole 32s): for
+  // N = 4800 (chunk 320) L <= 1832, for N = 16384 (chunk 1024) L <= 1768, for N = 32000 (chunk
+  // 2016) L <= 1678. Both sides of each boundary, where the next path takes over.
+  const std::pair<std::int64_t, int> boundaries[] = {{3, 2155},    {3, 2156},    {600, 1832},  {600, 1833},
+                                                     {2048, 1768}, {2048, 1769}, {4000, 1678}, {4000, 1679}};
   for (const auto& [T, E] : boundaries) {
     Case c = random_case(T, E, 8, g);
     c.local = LocalKind::kAll;
@@ -726,15 +726,11 @@ TEST(LayoutCuda, GraphCaptureAndReplayWithNewIds) {
     c.invalid = true;
     SCOPED_TRACE(describe(c));
     GpuLayoutRun gpu(c);
-    cudaStream_t stream;
-    SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    SY_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const Status s = gpu.run(stream);
-    SY_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    sy_test::CapturedGraph graph;
+    SY_CUDA_OK(graph.begin());
+    const Status s = gpu.run(graph.stream());
+    SY_CUDA_OK(graph.end());
     ASSERT_TRUE(s.ok()) << s.to_string();
-    SY_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
     for (int replay = 0; replay < 4; ++replay) {
       SCOPED_TRACE("replay " + std::to_string(replay));
       c.skew = kSkews[replay % 3];
@@ -744,13 +740,9 @@ TEST(LayoutCuda, GraphCaptureAndReplayWithNewIds) {
       gpu.upload(in);
       gpu.out.poison();
       SY_CUDA_OK(cudaDeviceSynchronize());
-      SY_CUDA_OK(cudaGraphLaunch(exec, stream));
-      SY_CUDA_OK(cudaStreamSynchronize(stream));
+      SY_CUDA_OK(graph.replay());
       expect_same_layout(want, gpu.out);
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
     if (HasFailure()) return;
   }
 }
@@ -956,27 +948,19 @@ TEST(LayoutCuda, RouteAndLayoutGraphReplayWithNewLogits) {
       std::vector<float> logits, bias;
       random_logits(call, g, &logits, &bias);
       call.set_logits(logits, bias);
-      cudaStream_t stream;
-      SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      SY_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      const Status s = call.run(stream);
-      SY_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      sy_test::CapturedGraph graph;
+      SY_CUDA_OK(graph.begin());
+      const Status s = call.run(graph.stream());
+      SY_CUDA_OK(graph.end());
       ASSERT_TRUE(s.ok()) << s.to_string();
-      SY_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
       for (int replay = 0; replay < 3; ++replay) {
         SCOPED_TRACE("replay " + std::to_string(replay));
         random_logits(call, g, &logits, &bias);
         call.set_logits(logits, bias);
         SY_CUDA_OK(cudaDeviceSynchronize());
-        SY_CUDA_OK(cudaGraphLaunch(exec, stream));
-        SY_CUDA_OK(cudaStreamSynchronize(stream));
+        SY_CUDA_OK(graph.replay());
         call.expect_match();
       }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
       if (HasFailure()) return;
     }
   }

@@ -827,11 +827,9 @@ TEST(PermuteCuda, GraphCaptureReplayWithNewInputs) {
   ASSERT_TRUE(dl.ok() && x.get() && xs.get() && xp.get() && xps.get() && xp2.get() && xps2.get() && y.get() &&
               w.get() && out.get());
 
-  cudaStream_t stream;
-  SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  SY_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  sy_test::CapturedGraph graph;
+  const cudaStream_t stream = graph.stream();
+  SY_CUDA_OK(graph.begin());
   const Status g1 =
       switchyard::gather(TensorView::of(x.get(), gc.dtype, {s.T, H}, dev), scale_view(gc, xs.get(), s.T, dev),
                          dl.layout, TensorView::of(xp.get(), gc.dtype, {h.R, H}, dev),
@@ -842,12 +840,11 @@ TEST(PermuteCuda, GraphCaptureReplayWithNewInputs) {
   const Status c1 = switchyard::combine(
       TensorView::of(y.get(), cc.y_dtype, {h.R, H}, dev), dl.layout, weights_view(cc, w.get(), dev),
       TensorView::of(out.get(), cc.out_dtype, {s.T, H}, dev), cc.accumulate, stream);
-  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  const cudaError_t end = graph.end();
   ASSERT_TRUE(g1.ok()) << g1.to_string();
   ASSERT_TRUE(g2.ok()) << g2.to_string();
   ASSERT_TRUE(c1.ok()) << c1.to_string();
   SY_CUDA_OK(end);
-  SY_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
   for (int replay = 0; replay < 3; ++replay) {
     if (replay > 0) {  // new ids, activations, weights and shared-expert output
@@ -865,8 +862,7 @@ TEST(PermuteCuda, GraphCaptureReplayWithNewInputs) {
     }
     for (DeviceBuffer* b : {&xp, &xps, &xp2, &xps2}) sy_test::poison(*b);
     SY_CUDA_OK(cudaDeviceSynchronize());
-    SY_CUDA_OK(cudaGraphLaunch(exec, stream));
-    SY_CUDA_OK(cudaStreamSynchronize(stream));
+    SY_CUDA_OK(graph.replay());
     ASSERT_TRUE(cuda_clean("graph replay"));
 
     GatherResult expected;
@@ -887,9 +883,6 @@ TEST(PermuteCuda, GraphCaptureReplayWithNewInputs) {
     ASSERT_TRUE(st.ok()) << st.to_string();
     EXPECT_TRUE(same_bytes(expected_out, download_bytes(out.get(), cd.out.size()), H * 2, "graph combine"));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // Zero tokens: both operations succeed and launch nothing.

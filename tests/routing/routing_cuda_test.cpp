@@ -569,16 +569,13 @@ TEST(RoutingCuda, GraphReplayWithNewInputs) {
     std::uint64_t seed = sy_test::fresh_seed();
     SCOPED_TRACE(std::string(name) + " first seed " + std::to_string(seed));
     Problem pr = make_problem(c, seed);
-    cudaStream_t stream;
-    SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaGraph_t graph = nullptr;
-    SY_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    sy_test::CapturedGraph graph;
+    const cudaStream_t stream = graph.stream();
+    SY_CUDA_OK(graph.begin());
     const Status s = switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
                                        ids_view(pr), weights_view(pr), stream);
-    SY_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    SY_CUDA_OK(graph.end());
     ASSERT_TRUE(s.ok()) << s.to_string();
-    cudaGraphExec_t exec = nullptr;
-    SY_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
     for (int replay = 0; replay < 4; ++replay) {
       seed = sy_test::fresh_seed();
       SCOPED_TRACE("replay " + std::to_string(replay) + " seed " + std::to_string(seed));
@@ -592,15 +589,11 @@ TEST(RoutingCuda, GraphReplayWithNewInputs) {
       }
       SY_CUDA_OK(cudaMemsetAsync(pr.ids_dev.get(), 0xA5, pr.ids_dev.bytes(), stream));
       SY_CUDA_OK(cudaMemsetAsync(pr.weights_dev.get(), 0xA5, pr.weights_dev.bytes(), stream));
-      SY_CUDA_OK(cudaGraphLaunch(exec, stream));
-      SY_CUDA_OK(cudaStreamSynchronize(stream));
+      SY_CUDA_OK(graph.replay());
       std::vector<std::uint8_t> cpu_ids, cpu_w;
       run_cpu(pr, &cpu_ids, &cpu_w);
       compare(pr, cpu_ids, cpu_w);
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
   }
 }
 

@@ -123,6 +123,8 @@ LayoutParams make_params(const detail::LayoutArgs& a) {
   p.num_experts = a.num_experts;
   p.num_local = a.num_local;
   p.tile_size = a.tile_size;
+  p.tile_magic = 0xffffffffu / static_cast<std::uint32_t>(a.tile_size);
+  p.token_magic = a.top_k == 1 ? 0u : 0xffffffffu / static_cast<std::uint32_t>(a.top_k) + 1u;
   p.key_bits = std::max(1, bit_width(static_cast<unsigned>(a.num_local)));  // keys 0..L
   p.local_start = a.local_start;
   p.local_stride = a.local_stride;
@@ -223,10 +225,21 @@ Status with_key_bits(const LayoutParams& p, F&& f) {
   return f(std::integral_constant<int, layout_detail::kKeyBitsLarge>{});
 }
 
+// The one-launch kernels' slices for a grid of `blocks` (LayoutParams::rows_per_block etc.).
+LayoutParams with_block_slices(const LayoutParams& p, long long blocks) {
+  LayoutParams q = p;
+  q.rows_per_block = static_cast<int>(ceil_div(p.capacity_rows, blocks));
+  q.tiles_per_block = static_cast<int>(ceil_div(p.capacity_tiles, blocks));
+  q.picks_per_block = static_cast<int>(ceil_div(p.num_picks, blocks));
+  q.locals_per_block = static_cast<int>(ceil_div(p.num_local, blocks));
+  return q;
+}
+
 template <int ITEMS, typename Id>
-Status launch_one_block_config(const LayoutParams& p, cudaStream_t stream) {
-  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
+Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) {
+  const long long rows = std::max<long long>(params.capacity_rows, params.num_picks);
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
+  const LayoutParams p = with_block_slices(params, blocks);
   return with_key_bits(p, [&](auto kb) {
     return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id>>(
         "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
@@ -261,7 +274,8 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
 }
 
 template <int CB, typename Id>
-Status launch_cluster(const LayoutParams& p, cudaStream_t stream) {
+Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
+  const LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
   const std::size_t smem = cluster_smem_bytes(p, CB);
   return with_key_bits(p, [&](auto kb) {

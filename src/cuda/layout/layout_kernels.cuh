@@ -2,7 +2,7 @@
 // picks x = t*K + k by local expert, deterministic bit for bit (no atomic whose order reaches the
 // output: shared-memory atomics only build histograms, whose values do not depend on order).
 //
-// Shapes of the same computation (the one-launch kernels for small and mid N with L <= 2275 are
+// Shapes of the same computation (the one-launch kernels for small and mid N with L <= 2155 are
 // in one_launch_layout_kernel.cuh; this file has the sorting one-kernel path for larger L and the
 // chunked pipeline):
 //
@@ -72,6 +72,16 @@ struct LayoutParams {
   std::int32_t* tile_expert = nullptr;
   std::int32_t* tile_row_end = nullptr;
   std::int32_t* totals = nullptr;
+  // Division by M without a hardware divide: (2^32 - 1) / M (see div_tile).
+  std::uint32_t tile_magic = 0xffffffffu;
+  // t = x / K as a multiply-high, exact for x * K < 2^32: 0xffffffff / K + 1 (0 when K == 1).
+  std::uint32_t token_magic = 0;
+  // One-launch kernels: each block's slice sizes of the rows, tiles, picks and local experts,
+  // ceil(n / blocks), set by the launcher for its grid (block g owns [g * per, (g + 1) * per)).
+  int rows_per_block = 0;
+  int tiles_per_block = 0;
+  int picks_per_block = 0;
+  int locals_per_block = 0;
   // Large path only: B chunks of `chunk_picks` picks; hist [B][L] and dropped [B] in workspace.
   int num_chunks = 0;
   int chunk_picks = 0;
@@ -90,6 +100,21 @@ __device__ __forceinline__ int ceil_div_int(int a, int b) { return (a + b - 1) /
 // pad(c) = ceil(c / M) * M; < 2^31 for every c the API layer admits (max_permuted_rows bound).
 __device__ __forceinline__ std::uint32_t padded_count(std::uint32_t c, std::uint32_t m) {
   return static_cast<std::uint32_t>((static_cast<std::uint64_t>(c) + m - 1) / m * m);
+}
+
+// floor(x / M) for any 32-bit x: q = floor(x * magic / 2^32) with magic = floor((2^32 - 1) / M)
+// is q or q - 1 (the error x * (1 + (2^32 - 1) mod M) / (M * 2^32) is below x / 2^32 < 1), and
+// one remainder test fixes it: four dependent instructions instead of the ~20 of a division by a
+// run-time divisor, which sat on the critical path of the latency-bound one-launch kernels.
+__device__ __forceinline__ std::uint32_t div_tile(std::uint32_t x, const LayoutParams& p) {
+  const std::uint32_t m = static_cast<std::uint32_t>(p.tile_size);
+  std::uint32_t q = __umulhi(x, p.tile_magic);
+  if (x - q * m >= m) ++q;
+  return q;
+}
+// ceil(c / M) = the tiles of c rows (c < 2^31, M < 2^31: c + M - 1 < 2^32).
+__device__ __forceinline__ std::uint32_t tiles_of(std::uint32_t c, const LayoutParams& p) {
+  return div_tile(c + static_cast<std::uint32_t>(p.tile_size) - 1u, p);
 }
 
 // The sort key of global expert id e: its local index l, or L when e is not placed. Ids outside

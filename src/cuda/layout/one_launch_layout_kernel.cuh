@@ -12,8 +12,11 @@
 //    slices, the rows past the total by row slices. (Filling
 //    first, its blocks double-wrote every real row and the cluster barrier's release waited for
 //    the fill stores to drain.)
-//  * Tiles t < num_tiles find their expert by a binary search over offsets in shared memory
-//    (log2 L steps) instead of a per-expert loop.
+//  * The scan is over the experts' tile counts; the thread of an expert then writes its tiles
+//    itself (a long run of them goes to the whole block after the next barrier), so no tile
+//    searches for its expert. Slice bounds and divisions by M and K use values the launcher
+//    computed (LayoutParams): each division by a run-time divisor was ~20 dependent instructions
+//    on the critical path.
 //
 // Two forms of the same code:
 //  * one_block_layout_kernel (N <= a few thousand): every block ranks ALL picks (short and
@@ -95,37 +98,43 @@ __host__ __device__ inline constexpr int cluster_chunk(int N, int CB) {
   return ((N + CB - 1) / CB + 31) / 32 * 32;
 }
 
-// Dynamic shared memory (int32): hist[warps][L], offs[L + 1], ends[L]; the cluster form adds
+// Dynamic shared memory (int32): hist[warps][L], offs[L + 1], ends[L], long_runs[L]; the cluster form adds
 // base[L] (row of the block's first pick of l), block_counts[L + 1] ([L] = dropped ids),
 // lstart[L] (the block's first staged pick of l) and the staging arrays stage_x[chunk],
 // stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form).
 __host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0) {
-  return (static_cast<std::size_t>(kOneWarps + 2 + (cluster ? 3 : 0)) * L + 1 + (cluster ? 1 : 0) +
+  return (static_cast<std::size_t>(kOneWarps + 3 + (cluster ? 3 : 0)) * L + 1 + (cluster ? 1 : 0) +
           (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
          4;
 }
 
-// part_range in 32-bit arithmetic (n < 2^31 and parts <= 2^10, so per * parts < 2^32): the 64-bit
-// divisions cost ~70 instructions each on every warp of a kernel that is issue-bound.
-__device__ __forceinline__ void part_range32(int n, int part, int parts, int& begin, int& end) {
-  const std::uint32_t per = (static_cast<std::uint32_t>(n) + parts - 1) / static_cast<std::uint32_t>(parts);
-  begin = static_cast<int>(min(static_cast<std::uint32_t>(n), per * part));
-  end = static_cast<int>(min(static_cast<std::uint32_t>(n), per * (part + 1)));
+// Slice `part` of n items in parts of `per` (the launcher's ceil(n / parts), LayoutParams): no
+// division on the device, where it sat on the critical path. n < 2^31 and per * parts < n + parts,
+// so the products fit in 32 bits.
+__device__ __forceinline__ void slice(int n, int part, int per, int& begin, int& end) {
+  const std::uint32_t b = static_cast<std::uint32_t>(per) * static_cast<std::uint32_t>(part);
+  begin = static_cast<int>(min(static_cast<std::uint32_t>(n), b));
+  end = static_cast<int>(min(static_cast<std::uint32_t>(n), b + static_cast<std::uint32_t>(per)));
 }
+
+// Block scans by warp scans (BLOCK_SCAN_WARP_SCANS): fewer dependent steps than CUB's default
+// raking scan, and these kernels are latency-bound.
+using OneScan = cub::BlockScan<int, kOneThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+using OneScan64 = cub::BlockScan<long long, kOneThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 
 struct OneShared {
   union {
-    cub::BlockScan<int, kOneThreads>::TempStorage scan;
-    cub::BlockScan<long long, kOneThreads>::TempStorage scan64;  // cluster form: two sums at once
+    OneScan::TempStorage scan;
+    OneScan64::TempStorage scan64;  // cluster form: two sums at once
   };
   int dropped;
+  int num_long_runs;  // experts whose tiles in this block's slice are left to the whole block
 };
 
-// pad(c) in 32-bit arithmetic: c < 2^31 and M < 2^31, so c + M - 1 < 2^32; the result is below
-// 2^31 for every shape the API admits (max_permuted_rows bound).
-__device__ __forceinline__ int padded_count32(int c, std::uint32_t m) {
-  return static_cast<int>((static_cast<std::uint32_t>(c) + m - 1) / m * m);
-}
+// An expert's tiles in a block's tile slice are written by the thread that scans the expert when
+// there are at most this many (the common case: a run longer than this is a heavily loaded expert
+// with a small M), else by the whole block after the next barrier.
+constexpr int kTilesPerThread = 4;
 
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
@@ -139,11 +148,11 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int block = static_cast<int>(blockIdx.x);
-  const int blocks = static_cast<int>(gridDim.x);
   int* hist = dyn;                                 // [kOneWarps][L]
   int* offs = hist + kOneWarps * L;                // [L + 1]
   int* ends = offs + L + 1;                        // [L]
-  int* base = kCluster ? ends + L : offs;          // [L]
+  int* long_runs = ends + L;                       // [L]
+  int* base = kCluster ? long_runs + L : offs;     // [L]
   int* block_counts = kCluster ? base + L : ends;  // [L + 1] (cluster form only)
   int* lstart = block_counts + L + 1;              // [L] (cluster form only)
   int* stage_x = lstart + L;                       // [chunk] (cluster form only)
@@ -151,7 +160,10 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
   for (int i = tid; i < kOneWarps / 4 * L; i += kOneThreads)
     reinterpret_cast<int4*>(hist)[i] = int4{0, 0, 0, 0};
-  if (tid == 0) sh.dropped = 0;
+  if (tid == 0) {
+    sh.dropped = 0;
+    sh.num_long_runs = 0;
+  }
   pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
   pdl_wait();
 
@@ -184,8 +196,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int pad_token = p.num_tokens;
   const int M = p.tile_size;
   int r0, r1, t0, t1;
-  part_range32(p.capacity_rows, block, blocks, r0, r1);
-  part_range32(p.capacity_tiles, block, blocks, t0, t1);
+  slice(p.capacity_rows, block, p.rows_per_block, r0, r1);
+  slice(p.capacity_tiles, block, p.tiles_per_block, t0, t1);
   if constexpr (!kCluster) {
     for (int r = r0 + tid; r < r1; r += kOneThreads) {
       p.permuted_to_expanded[r] = pad_expanded;
@@ -204,18 +216,22 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   __syncthreads();  // hist zeroed
 
   // 1. Per-warp ranks (only warp w touches hist[w]: no atomics, no timing dependence).
+  //    The ballots of all groups first (independent of each other), then the chain through the
+  //    warp's running counts, which only the groups' order serializes.
   int* my_hist = hist + warp * L;
   const unsigned lt = lanemask_lt();
+  unsigned same[ITEMS];
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) same[j] = j < per_warp ? match_key<KB>(packed[j] >> 16) : 0u;  // uniform
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     if (j < per_warp) {  // warp-uniform
       const int key = packed[j] >> 16;
-      const unsigned same = match_key<KB>(key);
-      const int rank = __popc(same & lt);
+      const int rank = __popc(same[j] & lt);
       int run = 0;
       if (key < L) run = my_hist[key];
       __syncwarp();
-      if (key < L && rank == 0) my_hist[key] = run + __popc(same);
+      if (key < L && rank == 0) my_hist[key] = run + __popc(same[j]);
       __syncwarp();
       packed[j] |= run + rank;
     }
@@ -272,52 +288,66 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     dropped_total = sh.dropped;
   }
 
-  // 3. Offsets: one scan of the padded counts (the cluster form also scans the block's own counts
-  //    in the low half of a 64-bit sum: lstart, where its picks of each expert start in the stage).
-  const std::uint32_t Mu = static_cast<std::uint32_t>(M);
+  // 3. Offsets: one scan of the experts' tile counts q = ceil(count / M); offsets are M times the
+  //    tiles before (the cluster form also scans the block's own counts in the low half of a
+  //    64-bit sum: lstart, where its picks of each expert start in the stage). The thread of an
+  //    expert then writes its tiles in this block's tile slice (no search for a tile's expert).
   long long run_sum = 0;
   for (int l = e_begin; l < e_end; ++l) {
-    const int padded = padded_count32(ends[l], Mu);
-    offs[l] = padded;  // kept for the second pass (one division per expert)
-    run_sum += kCluster ? (static_cast<long long>(padded) << 32) + block_counts[l] : padded;
+    const int q = static_cast<int>(tiles_of(static_cast<std::uint32_t>(ends[l]), p));
+    offs[l] = q;  // kept for the second pass
+    run_sum += kCluster ? (static_cast<long long>(q) << 32) + block_counts[l] : q;
   }
-  int prefix, padded_total;
+  int tile_prefix, num_tiles;
   int lprefix = 0;  // cluster form: the block's picks of experts before l
   int placed = 0;   // cluster form: the block's picks that get a row
   if constexpr (kCluster) {
     long long prefix64, total64;
-    cub::BlockScan<long long, kOneThreads>(sh.scan64).ExclusiveSum(run_sum, prefix64, total64);
-    prefix = static_cast<int>(prefix64 >> 32);
+    OneScan64(sh.scan64).ExclusiveSum(run_sum, prefix64, total64);
+    tile_prefix = static_cast<int>(prefix64 >> 32);
     lprefix = static_cast<int>(prefix64 & 0xffffffffLL);
-    padded_total = static_cast<int>(total64 >> 32);
+    num_tiles = static_cast<int>(total64 >> 32);
     placed = static_cast<int>(total64 & 0xffffffffLL);
   } else {
-    cub::BlockScan<int, kOneThreads>(sh.scan).ExclusiveSum(static_cast<int>(run_sum), prefix, padded_total);
+    OneScan(sh.scan).ExclusiveSum(static_cast<int>(run_sum), tile_prefix, num_tiles);
   }
+  const int padded_total = num_tiles * M;  // < 2^31: the max_permuted_rows bound
   int l0, l1;  // this block's slice of experts (counts, offsets)
-  part_range32(L, block, blocks, l0, l1);
+  slice(L, block, p.locals_per_block, l0, l1);
   for (int l = e_begin; l < e_end; ++l) {
     const int c = ends[l];
-    const int padded = offs[l];
-    offs[l] = prefix;
-    ends[l] = prefix + c;
+    const int q = offs[l];
+    const int row0 = tile_prefix * M;
+    const int row_end = row0 + c;
+    offs[l] = row0;
+    ends[l] = row_end;
     if constexpr (kCluster) {
-      base[l] += prefix;
+      base[l] += row0;
       lstart[l] = lprefix;
       lprefix += block_counts[l];
     }
     if (l >= l0 && l < l1) {
       p.counts[l] = c;
-      p.offsets[l] = prefix;
+      p.offsets[l] = row0;
     }
-    prefix += padded;
+    const int a = max(tile_prefix, t0);
+    const int b = min(tile_prefix + q, t1);
+    if (b - a > kTilesPerThread) {
+      long_runs[atomicAdd(&sh.num_long_runs, 1)] = l;  // list order does not reach the output
+    } else {
+      for (int t = a; t < b; ++t) {
+        p.tile_expert[t] = l;
+        p.tile_row_end[t] = min((t + 1) * M, row_end);  // (t + 1) * M <= padded_total
+      }
+    }
+    tile_prefix += q;
   }
   if (tid == 0) {
     offs[L] = padded_total;
     if (block == 0) {
       p.offsets[L] = padded_total;
       p.totals[0] = padded_total;
-      p.totals[1] = padded_total / M;
+      p.totals[1] = num_tiles;
       p.totals[2] = dropped_total;
     }
   }
@@ -331,12 +361,11 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   //     in expert order and stores them below, coalesced.
   int x0 = c0;
   int x1 = c1;
-  if constexpr (!kCluster) part_range32(N, block, blocks, x0, x1);
-  // t = x / K as a multiply-high: exact for x * K < 2^32, true here (x < N <= 65536 and K <= N).
-  const std::uint32_t K = static_cast<std::uint32_t>(p.top_k);
-  const std::uint32_t k_magic = K == 1 ? 0u : 0xffffffffu / K + 1;
+  if constexpr (!kCluster) slice(N, block, p.picks_per_block, x0, x1);
+  // t = x / K as a multiply-high (token_magic): exact for x * K < 2^32, true here (x < N <= 65536
+  // and K <= N).
   const auto token_of = [&](int x) {
-    return K == 1 ? x : static_cast<int>(__umulhi(static_cast<std::uint32_t>(x), k_magic));
+    return p.token_magic == 0 ? x : static_cast<int>(__umulhi(static_cast<std::uint32_t>(x), p.token_magic));
   };
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
@@ -369,26 +398,18 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     }
   }
 
-  // 4b. The real tiles of this block's tile slice: the expert whose rows hold row t*M is the last
-  //     l with offs[l] <= t*M (empty experts before it share its offset; t*M < offs[L]). The
-  //     cluster form also writes the slice's tiles past num_tiles here.
-  const int num_tiles = padded_total / M;
-  const int tile_end = min(t1, num_tiles);
-  for (int t = t0 + tid; t < tile_end; t += kOneThreads) {
-    const int row = t * M;  // < padded_total
-    int lo = 0;
-    int hi = L;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (offs[mid] <= row) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
+  // 4b. The tiles of the long runs (kTilesPerThread), the whole block over each: expert l's tiles
+  //     are [offs[l] / M, offs[l + 1] / M) (offs[L] = padded_total).
+  const int num_long_runs = sh.num_long_runs;
+  for (int i = 0; i < num_long_runs; ++i) {  // block-uniform
+    const int l = long_runs[i];
+    const int row_end = ends[l];
+    const int a = max(t0, static_cast<int>(div_tile(static_cast<std::uint32_t>(offs[l]), p)));
+    const int b = min(t1, static_cast<int>(div_tile(static_cast<std::uint32_t>(offs[l + 1]), p)));
+    for (int t = a + tid; t < b; t += kOneThreads) {
+      p.tile_expert[t] = l;
+      p.tile_row_end[t] = min((t + 1) * M, row_end);
     }
-    p.tile_expert[t] = lo;
-    p.tile_row_end[t] =
-        static_cast<int>(min(static_cast<long long>(row) + M, static_cast<long long>(ends[lo])));
   }
 
   if constexpr (kCluster) {

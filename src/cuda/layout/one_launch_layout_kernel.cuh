@@ -1,5 +1,5 @@
 // One-launch layout for small and medium N = T*K (DESIGN.md section 3): a stable counting sort
-// with per-warp ranks (match_key_bits below), shaped so that the critical path after
+// with per-warp ranks (match_key below), shaped so that the critical path after
 // pdl_wait() is short: ids -> ranks -> counts -> one scan -> writes, with no per-expert fill pass
 // behind the scan.
 //
@@ -40,7 +40,7 @@
 // T = 256, a third of them the 32-pick ranking rounds).
 //
 // Deterministic: the only atomics add up the dropped count (a sum, order-free); ranks come from
-// ballots within 32 picks (match_key_bits) and per-warp running counts owned by one warp.
+// ballots within 32 picks (match_key) and per-warp running counts owned by one warp.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -55,22 +55,19 @@
 
 namespace switchyard::cuda::layout_detail {
 
-// The lanes of the warp whose key equals this lane's, for keys below 2^bits: one ballot per key
+// The lanes of the warp whose key equals this lane's, for keys below 2^KB: one ballot per key
 // bit (the multisplit of CUB's MatchAny<LABEL_BITS>) instead of __match_any_sync, whose cost
 // grows with the number of distinct keys among the 32 lanes. KB is a compile-time bound (10 or
-// 14, see key_bits_bound) so that the loop unrolls with immediate bit masks; `bits` <= KB
-// (LayoutParams::key_bits, warp-uniform) skips the ballots past the key's width (9 instead of 10
-// for L = 256).
+// 14, see key_bits_bound) so that the loop unrolls with immediate bit masks; bits past the key's
+// width are 0 in every lane and leave the mask unchanged.
 template <int KB>
-__device__ __forceinline__ unsigned match_key_bits(int key, int bits) {
+__device__ __forceinline__ unsigned match_key(int key) {
   unsigned same = 0xffffffffu;
 #pragma unroll
   for (int b = 0; b < KB; ++b) {
-    if (b < bits) {  // uniform
-      const bool one = (key & (1 << b)) != 0;
-      const unsigned ones = __ballot_sync(0xffffffffu, one);
-      same &= one ? ones : ~ones;
-    }
+    const bool one = (key & (1 << b)) != 0;
+    const unsigned ones = __ballot_sync(0xffffffffu, one);
+    same &= one ? ones : ~ones;
   }
   return same;
 }
@@ -225,7 +222,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const unsigned lt = lanemask_lt();
   unsigned same[ITEMS];
 #pragma unroll
-  for (int j = 0; j < ITEMS; ++j) same[j] = j < per_warp ? match_key_bits<KB>(packed[j] >> 16, p.key_bits) : 0u;
+  for (int j = 0; j < ITEMS; ++j) same[j] = j < per_warp ? match_key<KB>(packed[j] >> 16) : 0u;  // uniform
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     if (j < per_warp) {  // warp-uniform

@@ -752,7 +752,6 @@ TEST(LayoutCuda, GraphCaptureAndReplayWithNewIds) {
 struct RouteLayoutCall {
   switchyard::ModelPreset preset;
   Case c;
-  bool weights_bf16 = false;
   std::size_t n = 0;  // T * K
   std::size_t id_bytes = 4, w_bytes = 4;
   DType id_type = DType::kInt32, w_type = DType::kFloat32;
@@ -768,7 +767,6 @@ struct RouteLayoutCall {
   RouteLayoutCall(const switchyard::ModelPreset& preset_, const Case& c_, bool weights_bf16_)
       : preset(preset_),
         c(c_),
-        weights_bf16(weights_bf16_),
         n(static_cast<std::size_t>(c_.T * preset_.routing.top_k)),
         id_bytes(c_.ids64 ? 8 : 4),
         w_bytes(weights_bf16_ ? 2 : 4),

@@ -10,7 +10,7 @@
 //       its Status; Unsupported past kMaxGpuExperts.
 //   std::size_t route_smem_bytes_per_warp<Shape>(const RouteParams& p);     // host
 //       dynamic shared memory each warp must own (0 unless a group limit is used).
-//   template <class Shape> __device__ void route_warp(const RouteParams& p,
+//   template <class Shape, bool kEarlyBias = false> __device__ void route_warp(const RouteParams& p,
 //       std::int64_t first_row, unsigned char* warp_smem, RoutedPicks<Shape>* picks);
 //       Called by all 32 lanes of a converged warp. Routes the Shape::kRowsPerWarp rows
 //       first_row, first_row + 1, ... (rows >= p.num_tokens are computed on dummy data and not
@@ -822,7 +822,10 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
 // ---------------------------------------------------------------------------------------------
 // The warp routine (see the top of the file for the contract).
 
-template <class Shape>
+// kEarlyBias: the bias is loaded into registers together with the logits, so that its latency
+// (an L2 hit, ~600 cycles on the H200) overlaps theirs; otherwise it is loaded when the keys are
+// made, which keeps V registers free (more rows in flight per SM at large T; see routing.cu).
+template <class Shape, bool kEarlyBias = false>
 __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t first_row,
                                            unsigned char* warp_smem, RoutedPicks<Shape>* picks) {
   using namespace dev;
@@ -847,6 +850,14 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   for (int i = 0; i < S; ++i)
     load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, row_ok ? neg_inf() : 0.0f,
                &v[4 * i]);
+  float bias_early[kEarlyBias ? V : 1];
+  if constexpr (kEarlyBias) {
+    if (p.bias != nullptr) {
+#pragma unroll
+      for (int i = 0; i < S; ++i)
+        load_chunk(p.bias, p.bias_dtype, p.bias_vec, 4 * W * i + lane4, E, true, 0.0f, &bias_early[4 * i]);
+    }
+  }
 
   // 2. Pre-scores p (in v).
   // The per-value math has a fast path (exp_fast, div_fast, rcp_normal) and a general one.
@@ -932,14 +943,19 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   if (keys_ready) {
     // set by the fast softmax path
   } else if (p.bias != nullptr) {
-    // Loaded here rather than with the logits to keep 4*S registers free; the bias is shared by
-    // every row, so these loads hit in L1/L2.
+    if constexpr (kEarlyBias) {
 #pragma unroll
-    for (int i = 0; i < S; ++i) {
-      float b[4];
-      load_chunk(p.bias, p.bias_dtype, p.bias_vec, 4 * W * i + lane4, E, true, 0.0f, b);
+      for (int j = 0; j < V; ++j) key[j] = canonical_key(__fadd_rn(v[j], bias_early[j]));
+    } else {
+      // Loaded here rather than with the logits to keep 4*S registers free; the bias is shared by
+      // every row, so these loads hit in L2.
 #pragma unroll
-      for (int c = 0; c < 4; ++c) key[4 * i + c] = canonical_key(__fadd_rn(v[4 * i + c], b[c]));
+      for (int i = 0; i < S; ++i) {
+        float b[4];
+        load_chunk(p.bias, p.bias_dtype, p.bias_vec, 4 * W * i + lane4, E, true, 0.0f, b);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) key[4 * i + c] = canonical_key(__fadd_rn(v[4 * i + c], b[c]));
+      }
     }
   } else {
 #pragma unroll

@@ -29,15 +29,24 @@ constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute need
 // Spec fields: logits dtype (vector loads aligned), pre, bias (none / fp32 with aligned vector
 // loads), group path (none / lanes), post. ids and weights dtypes, E, K, scale and the group
 // counts stay run-time.
+// kEarlyBias (route_warp) only up to kEarlyBiasMaxTokens rows: there the bias's L2 latency is on
+// the critical path; past it the registers it holds cost rows in flight. Measured on the H200
+// (us, early / late, same run): deepseek-v3 fp32 T = 1 2.69 / 2.89-2.96, T = 128 3.75 / 4.03;
+// kimi-k2 T = 1 2.57-2.63 / 2.74; glm-4.5 2.87 / 3.02-3.07; but with the early load for every T,
+// T = 4096 glm-4.5 fp32 7.71 / 6.50 and deepseek-v3 bf16 8.62 / 6.88 (37 registers instead of
+// 29-34 at E = 256).
 struct SpecGeneric {};
-template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost>
+template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarlyBias = false>
 struct Spec {};
+constexpr std::int64_t kEarlyBiasMaxTokens = 256;
 
 template <class S>
 struct SpecTraits;
-template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost>
-struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost>> {
+template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
+struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
+  static constexpr bool kEarlyBias = kEarly;
   static bool matches(const RouteParams& p) {
+    if (kEarly && p.num_tokens > kEarlyBiasMaxTokens) return false;
     if (p.logits_dtype != static_cast<int>(kDtype) || !p.logits_vec) return false;
     if (p.pre != kPre || p.post != kPost) return false;
     if (kBias != (p.bias != nullptr)) return false;
@@ -66,6 +75,7 @@ struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost>> {
 };
 template <>
 struct SpecTraits<SpecGeneric> {
+  static constexpr bool kEarlyBias = false;
   static bool matches(const RouteParams&) { return true; }
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
@@ -85,7 +95,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) route_kernel(const RouteP
   if (first_row >= p.num_tokens) return;  // whole warp: no block-level barrier follows
   const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(p);
   unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
-  routing::route_warp<Shape>(p, first_row, warp_smem, nullptr);
+  routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias>(p, first_row, warp_smem, nullptr);
 }
 
 template <class Shape, class SpecT>
@@ -131,6 +141,8 @@ template <class Shape, DType kDtype>
 Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
   return launch_route_spec<Shape, Spec<kDtype, PreFn::kSoftmax, false, false, PostFn::kNormalize>,
                            Spec<kDtype, PreFn::kNone, false, false, PostFn::kSoftmax>,
+                           Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize, true>,
+                           Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize, true>,
                            Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize>,
                            Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize>, SpecGeneric>(
       p, stream);

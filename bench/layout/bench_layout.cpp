@@ -16,11 +16,8 @@
 #include <vector>
 
 #include "common/gpu_timing.h"
+#include "common/git_commit.h"
 #include "common/json.h"
-
-#ifndef SY_GIT_COMMIT
-#define SY_GIT_COMMIT "unknown"
-#endif
 
 using namespace switchyard;
 

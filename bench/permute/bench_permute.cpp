@@ -24,13 +24,10 @@
 #include <vector>
 
 #include "common/gpu_timing.h"
+#include "common/git_commit.h"
 #include "common/json.h"
 #include "common/op_args.h"
 #include "cuda/permute/permute_internal.h"
-
-#ifndef SY_GIT_COMMIT
-#define SY_GIT_COMMIT "unknown"
-#endif
 
 using namespace switchyard;
 

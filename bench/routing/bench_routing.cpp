@@ -21,12 +21,9 @@
 #include <vector>
 
 #include "common/gpu_timing.h"
+#include "common/git_commit.h"
 #include "common/json.h"
 #include "switchyard/switchyard.h"
-
-#ifndef SY_GIT_COMMIT
-#define SY_GIT_COMMIT "unknown"
-#endif
 
 namespace {
 

@@ -512,7 +512,6 @@ TEST(RoutingCuda, GroupLimits) {
   }
 }
 
-// Ties everywhere: few levels, all-equal rows, every K.
 // One input kind over an (E, K) grid; pre, post, group rule (every group_every-th case that can
 // have groups), bias (every bias_every-th case), logits dtype, T and the secondary axes are drawn
 // from the case counter.
@@ -542,6 +541,7 @@ void sweep_kind(Kind kind, std::initializer_list<int> experts, std::initializer_
   }
 }
 
+// Ties everywhere: few levels, all-equal rows, every K.
 TEST(RoutingCuda, TieHeavy) {
   SY_SKIP_WITHOUT_GPU();
   sweep_kind(Kind::kTied, {8, 64, 160, 256, 512, 2048}, {1, 2, 8, 10, 22, 32}, 333, 1, 2);

@@ -15,9 +15,11 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/cuda_test_util.h"
+#include "common/float_formats.h"
 #include "common/test_data.h"
 #include "switchyard/layout.h"
 #include "switchyard/routing.h"
@@ -755,6 +757,8 @@ struct RouteLayoutCall {
   std::size_t n = 0;  // T * K
   std::size_t id_bytes = 4, w_bytes = 4;
   DType id_type = DType::kInt32, w_type = DType::kFloat32;
+  DType logits_type = DType::kFloat32;  // or bf16: the top halves of the fp32 values
+  std::vector<std::uint16_t> logits_bf16;
   // CPU results for the last logits given to set_logits.
   std::vector<std::int64_t> cpu_ids;  // raw storage for either id type
   std::vector<float> cpu_weights;     // raw storage for either weight type
@@ -764,7 +768,8 @@ struct RouteLayoutCall {
   std::size_t ws_bytes = 0;
   DeviceLayout got;
 
-  RouteLayoutCall(const switchyard::ModelPreset& preset_, const Case& c_, bool weights_bf16_)
+  RouteLayoutCall(const switchyard::ModelPreset& preset_, const Case& c_, bool weights_bf16_,
+                  DType logits_type_ = DType::kFloat32)
       : preset(preset_),
         c(c_),
         n(static_cast<std::size_t>(c_.T * preset_.routing.top_k)),
@@ -772,6 +777,7 @@ struct RouteLayoutCall {
         w_bytes(weights_bf16_ ? 2 : 4),
         id_type(c_.ids64 ? DType::kInt64 : DType::kInt32),
         w_type(weights_bf16_ ? DType::kBFloat16 : DType::kFloat32),
+        logits_type(logits_type_),
         cpu_ids(n, 0),
         cpu_weights(n, 0.f),
         want(Sizes(c_.T, preset_.routing.top_k, num_local(c_), c_.M)),
@@ -793,14 +799,23 @@ struct RouteLayoutCall {
     const int K = preset.routing.top_k;
     const TensorView cpu_bias =
         preset.has_bias ? TensorView::of(bias.data(), DType::kFloat32, {E}, Device::cpu()) : TensorView{};
+    const void* host_logits = logits.data();
+    std::size_t logits_bytes = logits.size() * 4;
+    if (logits_type == DType::kBFloat16) {
+      logits_bf16.resize(logits.size());
+      for (std::size_t i = 0; i < logits.size(); ++i)
+        logits_bf16[i] = static_cast<std::uint16_t>(sy_test::f32_bits(logits[i]) >> 16);
+      host_logits = logits_bf16.data();
+      logits_bytes = logits_bf16.size() * 2;
+    }
     const Status s = switchyard::route_and_layout(
-        preset.routing, TensorView::of(logits.data(), DType::kFloat32, {T, E}, Device::cpu()), cpu_bias,
+        preset.routing, TensorView::of(host_logits, logits_type, {T, E}, Device::cpu()), cpu_bias,
         TensorView::of(cpu_ids.data(), id_type, {T, K}, Device::cpu()),
         TensorView::of(cpu_weights.data(), w_type, {T, K}, Device::cpu()),
         make_config(c, nullptr, Device::cpu()), want.views(), nullptr, 0);
     ASSERT_TRUE(s.ok()) << "CPU: " << s.to_string();
-    if (!logits.empty())
-      SY_CUDA_OK(cudaMemcpy(d_logits.get(), logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
+    if (logits_bytes > 0)
+      SY_CUDA_OK(cudaMemcpy(d_logits.get(), host_logits, logits_bytes, cudaMemcpyHostToDevice));
     SY_CUDA_OK(cudaMemcpy(d_bias.get(), bias.data(), bias.size() * 4, cudaMemcpyHostToDevice));
     sy_test::poison(d_ids);
     sy_test::poison(d_weights);
@@ -814,7 +829,7 @@ struct RouteLayoutCall {
     const TensorView gpu_bias =
         preset.has_bias ? TensorView::of(d_bias.get(), DType::kFloat32, {E}, Device::cuda()) : TensorView{};
     return switchyard::route_and_layout(
-        preset.routing, TensorView::of(d_logits.get(), DType::kFloat32, {T, E}, Device::cuda()), gpu_bias,
+        preset.routing, TensorView::of(d_logits.get(), logits_type, {T, E}, Device::cuda()), gpu_bias,
         TensorView::of(d_ids.get(), id_type, {T, K}, Device::cuda()),
         TensorView::of(d_weights.get(), w_type, {T, K}, Device::cuda()), make_config(c, nullptr, Device::cuda()),
         got.views(), ws.get(), ws_bytes, stream);
@@ -850,9 +865,10 @@ void random_logits(const RouteLayoutCall& call, std::mt19937_64& g, std::vector<
 // One route_and_layout call on both backends with the same logits; compares ids and weights bit
 // for bit and every layout array.
 void check_route_and_layout(const switchyard::ModelPreset& preset, const Case& c, bool weights_bf16,
-                            std::mt19937_64& g) {
-  SCOPED_TRACE(preset.name + " " + describe(c) + (weights_bf16 ? " weights=bf16" : " weights=fp32"));
-  RouteLayoutCall call(preset, c, weights_bf16);
+                            std::mt19937_64& g, DType logits_type = DType::kFloat32) {
+  SCOPED_TRACE(preset.name + " " + describe(c) + (weights_bf16 ? " weights=bf16" : " weights=fp32") +
+               (logits_type == DType::kBFloat16 ? " logits=bf16" : " logits=fp32"));
+  RouteLayoutCall call(preset, c, weights_bf16, logits_type);
   std::vector<float> logits, bias;
   random_logits(call, g, &logits, &bias);
   call.set_logits(logits, bias);
@@ -921,6 +937,70 @@ TEST(LayoutCuda, RouteAndLayoutAllPresets) {
       check_route_and_layout(preset, c, T == 7, g);
       if (HasFailure()) return;
     }
+  }
+}
+
+// Small T runs as ONE kernel that routes and lays out (route_layout.cu) where the one-block layout
+// serves the call and the rows fit one block (16 warps: T <= 16 for E > 64, T <= 16 * 32 / W on the
+// narrow shapes) with N = T*K <= 512; every preset around those bounds, fp32 and bf16 logits,
+// against the CPU; then the same calls forced to two launches (SWITCHYARD_ROUTE_LAYOUT) must give
+// the same bytes. The number of kernels a call launches is read from a captured graph.
+TEST(LayoutCuda, RouteAndLayoutSingleLaunch) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const char* forced : {"", "two_launch"}) {
+    SCOPED_TRACE(std::string("SWITCHYARD_ROUTE_LAYOUT=") + forced);
+    const ScopedEnv env("SWITCHYARD_ROUTE_LAYOUT", forced);
+    for (const switchyard::ModelPreset& preset : switchyard::model_presets()) {
+      const int E = preset.routing.num_experts;
+      const int K = preset.routing.top_k;
+      for (const std::int64_t T : {1, 2, 5, 16, 17, 32, 33, 200, 256, 257}) {
+        if (T * K > 600) continue;  // past the single launch's 512 picks
+        Case c;
+        c.T = T;
+        c.E = E;
+        c.K = K;
+        c.M = T % 2 == 0 ? 128 : 7;
+        c.ids64 = T == 5;
+        if (T == 16 || T == 33) {  // a strided local range (expert parallelism)
+          c.local = LocalKind::kRange;
+          c.start = 1;
+          c.count = (E - 2) / 3 + 1;
+          c.stride = 3;
+        }
+        check_route_and_layout(preset, c, T == 2, g, T % 3 == 1 ? DType::kBFloat16 : DType::kFloat32);
+        if (HasFailure()) return;
+      }
+    }
+  }
+  // Kernels per call: E = 256 K = 8 (deepseek-v3) routes T <= 16 rows in one kernel.
+  switchyard::ModelPreset preset;
+  ASSERT_TRUE(switchyard::find_preset("deepseek-v3", &preset).ok());
+  for (const auto& [T, forced, kernels] : {std::tuple<std::int64_t, const char*, std::size_t>{1, "", 1},
+                                           {16, "", 1},
+                                           {17, "", 2},
+                                           {1, "two_launch", 2}}) {
+    SCOPED_TRACE("T=" + std::to_string(T) + " SWITCHYARD_ROUTE_LAYOUT=" + forced);
+    const ScopedEnv env("SWITCHYARD_ROUTE_LAYOUT", forced);
+    Case c;
+    c.T = T;
+    c.E = preset.routing.num_experts;
+    c.K = preset.routing.top_k;
+    c.M = 128;
+    RouteLayoutCall call(preset, c, false);
+    std::vector<float> logits, bias;
+    random_logits(call, g, &logits, &bias);
+    call.set_logits(logits, bias);
+    sy_test::CapturedGraph graph;
+    SY_CUDA_OK(graph.begin());
+    const Status s = call.run(graph.stream());
+    SY_CUDA_OK(graph.end());
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(graph.num_nodes(), kernels);
+    SY_CUDA_OK(graph.replay());
+    call.expect_match();
   }
 }
 

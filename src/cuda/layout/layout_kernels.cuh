@@ -97,11 +97,6 @@ constexpr int kMaxLocalExperts = 8192;
 
 __device__ __forceinline__ int ceil_div_int(int a, int b) { return (a + b - 1) / b; }
 
-// pad(c) = ceil(c / M) * M; < 2^31 for every c the API layer admits (max_permuted_rows bound).
-__device__ __forceinline__ std::uint32_t padded_count(std::uint32_t c, std::uint32_t m) {
-  return static_cast<std::uint32_t>((static_cast<std::uint64_t>(c) + m - 1) / m * m);
-}
-
 // floor(x / M) for any 32-bit x: q = floor(x * magic / 2^32) with magic = floor((2^32 - 1) / M)
 // is q or q - 1 (the error x * (1 + (2^32 - 1) mod M) / (M * 2^32) is below x / 2^32 < 1), and
 // one remainder test fixes it: four dependent instructions instead of the ~20 of a division by a
@@ -215,8 +210,8 @@ __device__ __forceinline__ void fill_padding_and_tiles(const LayoutParams& p, co
     if (l < l1) {
       pad_begin = ends[l];
       pad_end = offs[l + 1];
-      tile_begin = offs[l] / M;
-      tile_end = pad_end / M;
+      tile_begin = static_cast<int>(div_tile(static_cast<std::uint32_t>(offs[l]), p));
+      tile_end = static_cast<int>(div_tile(static_cast<std::uint32_t>(pad_end), p));
     }
     unsigned busy = __ballot_sync(0xffffffffu, tile_end > tile_begin);  // count > 0
     while (busy != 0) {
@@ -239,7 +234,7 @@ __device__ __forceinline__ void fill_padding_and_tiles(const LayoutParams& p, co
     }
   }
   const int padded_total = offs[L];
-  const int num_tiles = padded_total / M;
+  const int num_tiles = static_cast<int>(div_tile(static_cast<std::uint32_t>(padded_total), p));
   int r_begin, r_end;
   part_range(p.capacity_rows - padded_total, part, parts, r_begin, r_end);
   for (int r = padded_total + r_begin + tid; r < padded_total + r_end; r += THREADS) {
@@ -389,7 +384,7 @@ __device__ __forceinline__ void small_layout_block(const LayoutParams& p, KeyOf 
       L, tmp.scan,
       [&](int i) {
         const std::uint32_t c = static_cast<std::uint32_t>(hist[i]);
-        return pack_pair(padded_count(c, M), c);
+        return pack_pair(tiles_of(c, p) * M, c);  // the padded count: < 2^31 (max_permuted_rows bound)
       },
       [&](int i, unsigned long long prefix) {
         const int c = hist[i];
@@ -408,7 +403,7 @@ __device__ __forceinline__ void small_layout_block(const LayoutParams& p, KeyOf 
     if (first_block) {
       p.offsets[L] = padded_total;
       p.totals[0] = padded_total;
-      p.totals[1] = padded_total / p.tile_size;
+      p.totals[1] = static_cast<int>(div_tile(static_cast<std::uint32_t>(padded_total), p));
     }
   }
   __syncthreads();  // ex complete; the scan's storage may be reused by the sort
@@ -584,7 +579,7 @@ __global__ void __launch_bounds__(THREADS, 2) chunk_scatter_kernel(const LayoutP
       [&](int i) {
         const std::uint32_t c = static_cast<std::uint32_t>(p.counts[i]);
         const std::uint32_t in_chunk = static_cast<std::uint32_t>(after[i] - before[i]);
-        return pack_pair(padded_count(c, M), in_chunk);
+        return pack_pair(tiles_of(c, p) * M, in_chunk);
       },
       [&](int i, unsigned long long prefix) {
         const int offset = high_half(prefix);
@@ -599,7 +594,7 @@ __global__ void __launch_bounds__(THREADS, 2) chunk_scatter_kernel(const LayoutP
     if (first_block) {
       p.offsets[L] = padded_total;
       p.totals[0] = padded_total;
-      p.totals[1] = padded_total / p.tile_size;
+      p.totals[1] = static_cast<int>(div_tile(static_cast<std::uint32_t>(padded_total), p));
     }
   }
   __syncthreads();  // ex complete; the scan's storage becomes the sort's

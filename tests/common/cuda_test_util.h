@@ -125,12 +125,6 @@ class CapturedGraph {
     if (err != cudaSuccess) return err;
     return cudaGraphInstantiate(&exec_, graph_, 0);
   }
-  // The number of nodes of the captured graph (after end()); 0 when there is none.
-  std::size_t num_nodes() const {
-    std::size_t n = 0;
-    if (graph_ == nullptr || cudaGraphGetNodes(graph_, nullptr, &n) != cudaSuccess) return 0;
-    return n;
-  }
   // Launches the graph on stream() and waits for it.
   cudaError_t replay() {
     const cudaError_t err = cudaGraphLaunch(exec_, stream_);

@@ -5,8 +5,6 @@
 //   * launch_kernel(): cudaLaunchKernelEx with PDL allowed, returning a Status that names the
 //     kernel and carries cudaGetErrorString on failure; launch_kernel_clustered() adds a
 //     thread-block cluster dimension (launch_attributes() builds both attributes).
-//   * allow_dynamic_smem<kernel>(bytes) / set_attribute_at_least<kernel, attribute>(value):
-//     per-device, cached opt-ins for kernel attributes (past 48 KB of dynamic shared memory).
 //   * dispatch_value<V...>(name, value, f): runtime int -> template constant. Calls
 //     f(std::integral_constant<int, V>{}) for the matching V and returns its Status, or
 //     Unsupported("<name> = 7 is not supported; supported values: 1, 2, 4") on a miss. Replaces
@@ -24,8 +22,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <cstddef>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -97,41 +93,6 @@ Status launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid,
                      std::size_t smem_bytes, cudaStream_t stream, bool pdl, Args&&... args) {
   return launch_kernel_clustered(name, kernel, grid, block, smem_bytes, stream, pdl, 0u,
                                  std::forward<Args>(args)...);
-}
-
-// Kernels whose static + dynamic shared memory may pass the 48 KB default need an opt-in per
-// device; below this many dynamic bytes every kernel of this backend stays under it (their static
-// shared memory is <= 36 KB).
-constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
-constexpr int kMaxDevicesCached = 64;
-
-// Sets a kernel attribute whose larger values include the smaller ones (a shared-memory size, a
-// 0/1 permission) to at least `value` on the current device, remembering per device the largest
-// value set so far (a host-side cache: the attribute call does not repeat on every launch).
-// kKernel is a template argument so that each kernel has its own cache (every layout kernel has
-// the same signature, so a cache keyed by signature would be shared).
-template <auto kKernel, cudaFuncAttribute kAttribute>
-cudaError_t set_attribute_at_least(int value) {
-  static std::atomic<int> granted[kMaxDevicesCached];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cacheable = device >= 0 && device < kMaxDevicesCached;
-  if (cacheable && granted[device].load(std::memory_order_relaxed) >= value) return cudaSuccess;
-  err = cudaFuncSetAttribute(kKernel, kAttribute, value);
-  if (err == cudaSuccess && cacheable) {
-    int seen = granted[device].load(std::memory_order_relaxed);
-    while (seen < value && !granted[device].compare_exchange_weak(seen, value)) {
-    }
-  }
-  return err;
-}
-
-template <auto kKernel>
-cudaError_t allow_dynamic_smem(std::size_t bytes) {
-  if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;
-  return set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(
-      static_cast<int>(bytes));
 }
 
 // Runtime value -> compile-time constant; see the file comment.

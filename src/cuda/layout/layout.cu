@@ -12,7 +12,6 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
 #include "cuda/layout/one_launch_layout_kernel.cuh"
-#include "cuda/layout/route_layout.h"
 
 namespace switchyard::cuda {
 
@@ -144,6 +143,40 @@ LayoutParams make_params(const detail::LayoutArgs& a) {
   return p;
 }
 
+// Kernels whose static + dynamic shared memory may pass the 48 KB default need an opt-in per
+// device; below this many dynamic bytes every layout kernel stays under it (static <= 36 KB).
+constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
+constexpr int kMaxDevicesCached = 64;
+
+// Sets a kernel attribute whose larger values include the smaller ones (a shared-memory size, a
+// 0/1 permission) to at least `value` on the current device, remembering per device the largest
+// value set so far (a host-side cache: the attribute call does not repeat on every launch).
+// kKernel is a template argument so that each kernel has its own cache (every layout kernel has
+// the same signature, so a cache keyed by signature would be shared).
+template <auto kKernel, cudaFuncAttribute kAttribute>
+cudaError_t set_attribute_at_least(int value) {
+  static std::atomic<int> granted[kMaxDevicesCached];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cacheable = device >= 0 && device < kMaxDevicesCached;
+  if (cacheable && granted[device].load(std::memory_order_relaxed) >= value) return cudaSuccess;
+  err = cudaFuncSetAttribute(kKernel, kAttribute, value);
+  if (err == cudaSuccess && cacheable) {
+    int seen = granted[device].load(std::memory_order_relaxed);
+    while (seen < value && !granted[device].compare_exchange_weak(seen, value)) {
+    }
+  }
+  return err;
+}
+
+template <auto kKernel>
+cudaError_t allow_dynamic_smem(std::size_t bytes) {
+  if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;
+  return set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(
+      static_cast<int>(bytes));
+}
+
 // Clusters past the portable 8 blocks (16 on H100 / H200).
 template <auto kKernel>
 cudaError_t allow_nonportable_clusters() {
@@ -202,15 +235,10 @@ LayoutParams with_block_slices(const LayoutParams& p, long long blocks) {
   return q;
 }
 
-// The one-block form's grid: blocks split the writes, about kRowsPerOneBlock rows each.
-long long one_block_grid(const LayoutParams& p) {
-  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
-  return std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
-}
-
 template <int ITEMS, typename Id>
 Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) {
-  const long long blocks = one_block_grid(params);
+  const long long rows = std::max<long long>(params.capacity_rows, params.num_picks);
+  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
   const LayoutParams p = with_block_slices(params, blocks);
   return with_key_bits(p, [&](auto kb) {
     return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id>>(
@@ -322,7 +350,7 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
   SY_RETURN_IF_ERROR(
       launch<histogram>("layout: chunk_histogram_kernel", chunks, dim3(THREADS), hist_bytes, stream, p));
   const unsigned scan_blocks = static_cast<unsigned>(std::max<long long>(1, ceil_div(p.num_local, 32)));
-  SY_RETURN_IF_ERROR(launch<layout_detail::chunk_scan_kernel<layout_detail::kScanRowsY>>(
+  SY_RETURN_IF_ERROR(launch<layout_detail::chunk_scan_kernel>(
       "layout: chunk_scan_kernel", dim3(scan_blocks), dim3(32, layout_detail::kScanRowsY), 0, stream, p));
   return launch<scatter>("layout: chunk_scatter_kernel", chunks, dim3(THREADS),
                          layout_detail::expert_arrays_bytes(p.num_local), stream, p);
@@ -339,14 +367,6 @@ Status launch_multi_kernel(const LayoutParams& p, const detail::LayoutArgs& a, c
 }
 
 enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kChunked };
-
-// SWITCHYARD_ROUTE_LAYOUT=two_launch (environment, read per call) makes route_and_layout launch
-// the routing kernel and then the layout kernels where one launch would serve: a tuning and
-// testing knob, like SWITCHYARD_LAYOUT_PATH (which, when set, also means two launches).
-bool two_launches_forced() {
-  const char* v = std::getenv("SWITCHYARD_ROUTE_LAYOUT");
-  return v != nullptr && std::string(v) == "two_launch";
-}
 
 ForcedPath forced_path() {
   const char* v = std::getenv("SWITCHYARD_LAYOUT_PATH");
@@ -416,20 +436,9 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
                         Stream stream) {
   // A layout the backend cannot do fails before routing writes anything.
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
-  // Small T: one kernel routes and lays out (route_layout.cu), where the one-block layout serves
-  // the call. Measured on the H200 against the two launches below (deepseek-v3, fp32 logits,
-  // E=256 K=8 M=128): see bench/results (session 6).
-  const LayoutParams params = make_params(layout_args);
-  if (forced_path() == ForcedPath::kNone && !two_launches_forced() && one_block_fits(params)) {
-    const long long blocks = one_block_grid(params);
-    bool launched = false;
-    const Status s = layout_detail::route_and_layout_one_launch(route_args, with_block_slices(params, blocks),
-                                                                blocks, stream, &launched);
-    if (launched || !s.ok()) return s;
-  }
-  // Otherwise the routing kernel, then the layout kernels, chained by programmatic dependent
-  // launch. Earlier one-launch designs, measured slower on the H200 (deepseek-v3, fp32 logits, us
-  // at T = 1 / 16 / 256, against these two launches at the time):
+  // The routing kernel, then the layout kernels, chained by programmatic dependent launch. One
+  // launch was tried four times and measured slower (or no faster) on the H200 (deepseek-v3, fp32 logits, us at
+  // T = 1 / 16 / 256, against these two launches at the time):
   //  * every block routing all rows, then a lean layout (up to 6aaec95): 8.4 / 10.2 / - (7.0 / 7.4);
   //  * one cluster of up to 16 blocks, each routing its own rows (a warp per row, route_warp with
   //    the routing kernel's specialisations) and running the cluster form of
@@ -440,7 +449,16 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
   //    shuffle scan over the experts instead of the block-wide phases, ffae7a4): 6.4 / 8.5 / -
   //    (6.1 / 6.7); that one-warp layout alone took 3.9 / 5.1 us at T = 1 / 16 against the
   //    one-block kernel's 3.2 / 3.2: a single warp's dependent chain of ~500-700 instructions
-  //    outlasts the block-wide phases.
+  //    outlasts the block-wide phases;
+  //  * every block of the one-block layout's grid routing all T <= 16 rows (route_warp with the
+  //    routing kernel's specialisations), keeping the picks in shared memory and running the
+  //    one-block layout on them (5cb218b, session 6): T = 1 / 16 4.88 / 5.97 (4.90 / 5.50);
+  //    qwen3-next 4.72 / 6.22 (4.40 / 5.38). A clock64 timeline at T = 1: the fused kernel's
+  //    layout phase took as long as the layout kernel (~3700-3900 cycles), the slice fill sat in
+  //    front of the routing (~800), and at T = 16 one SM routes all 16 rows.
+  // Routing's own latency (4200-4600 cycles for deepseek-v3 at T = 1) and the layout's (3700-3900)
+  // stay on the critical path either way; the second launch itself is mostly hidden by PDL (the
+  // layout kernel is resident ~1.9 us before its wait releases).
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

@@ -136,34 +136,12 @@ struct OneShared {
 // with a small M), else by the whole block after the next barrier.
 constexpr int kTilesPerThread = 4;
 
-// The one-block form's first writes: block `block`'s slices of the rows and tiles get the values
-// of "not a real row / tile" (the real ones are written over them after a barrier).
-__device__ __forceinline__ void fill_block_slices(const LayoutParams& p, int block) {
-  int r0, r1, t0, t1;
-  slice(p.capacity_rows, block, p.rows_per_block, r0, r1);
-  slice(p.capacity_tiles, block, p.tiles_per_block, t0, t1);
-  const int tid = static_cast<int>(threadIdx.x);
-  for (int r = r0 + tid; r < r1; r += kOneThreads) {
-    p.permuted_to_expanded[r] = p.num_picks;
-    p.permuted_to_token[r] = p.num_tokens;
-  }
-  for (int t = t0 + tid; t < t1; t += kOneThreads) {
-    p.tile_expert[t] = -1;
-    p.tile_row_end[t] = static_cast<int>(static_cast<long long>(t) * p.tile_size);
-  }
-}
-
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
 // cluster of CB blocks).
-// kFused (one-block form only): called by the single-launch route + layout kernel after it has
-// waited (pdl_wait), filled this block's slices (fill_block_slices) and routed every row: the ids
-// come from `fused_ids` (shared memory, N ints) instead of p.topk_ids.
-template <int ITEMS, int CB, int KB, typename Id, bool kFused = false>
-__device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn,
-                                                  const int* fused_ids = nullptr) {
+template <int ITEMS, int CB, int KB, typename Id>
+__device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
   constexpr bool kCluster = CB > 0;
-  static_assert(!(kFused && kCluster), "the fused form is the one-block form");
   const int L = p.num_local;
   const int N = p.num_picks;
   const int tid = static_cast<int>(threadIdx.x);
@@ -186,10 +164,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     sh.dropped = 0;
     sh.num_long_runs = 0;
   }
-  if constexpr (!kFused) {
-    pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
-    pdl_wait();
-  }
+  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
+  pdl_wait();
 
   // The picks this block ranks: all of them, or chunk `block` (a multiple of 32 picks long).
   int c0 = 0;
@@ -205,16 +181,12 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int groups = (c1 - c0 + 31) >> 5;
   const int per_warp = (groups + kOneWarps - 1) / kOneWarps;  // <= ITEMS
   const int group0 = warp * per_warp;
+  const Id* ids = static_cast<const Id*>(p.topk_ids);
   Id raw[ITEMS];
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     const int x = c0 + (group0 + j) * 32 + lane;
-    const bool real = j < per_warp && x < c1;
-    if constexpr (kFused) {
-      raw[j] = real ? fused_ids[x] : Id(-1);
-    } else {
-      raw[j] = real ? static_cast<const Id*>(p.topk_ids)[x] : Id(-1);
-    }
+    raw[j] = (j < per_warp && x < c1) ? ids[x] : Id(-1);
   }
 
   // The one-block form, while the ids load: this block's slices of the rows and tiles get the
@@ -226,7 +198,16 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int r0, r1, t0, t1;
   slice(p.capacity_rows, block, p.rows_per_block, r0, r1);
   slice(p.capacity_tiles, block, p.tiles_per_block, t0, t1);
-  if constexpr (!kCluster && !kFused) fill_block_slices(p, block);
+  if constexpr (!kCluster) {
+    for (int r = r0 + tid; r < r1; r += kOneThreads) {
+      p.permuted_to_expanded[r] = pad_expanded;
+      p.permuted_to_token[r] = pad_token;
+    }
+    for (int t = t0 + tid; t < t1; t += kOneThreads) {
+      p.tile_expert[t] = -1;
+      p.tile_row_end[t] = static_cast<int>(static_cast<long long>(t) * M);
+    }
+  }
 
   int dropped = 0;
   int packed[ITEMS];  // key << 16 | position of the pick in its warp's run of its expert

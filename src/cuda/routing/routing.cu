@@ -9,7 +9,6 @@
 
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
-#include "cuda/routing/route_spec.cuh"
 #include "cuda/routing/route_warp.cuh"
 
 namespace switchyard::cuda {
@@ -17,12 +16,69 @@ namespace switchyard::cuda {
 namespace {
 
 using routing::RouteParams;
-using routing::Spec;
-using routing::SpecGeneric;
-using routing::SpecTraits;
 
 constexpr int kWarpsPerBlock = 8;                    // 256 threads: many rows in flight per SM
 constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute needed
+
+// Specialised kernels. route_warp branches on the parameters at run time (warp-uniform
+// branches, but they cost issue slots on the hot path and registers: ~100 instructions per row
+// and 48 instead of ~32 registers at E = 256). A Spec fixes the common configurations at compile
+// time: the kernel overwrites those fields of its copy of the parameters with constants equal to
+// the values the host checked (SpecTraits::matches), and the compiler folds the branches away. The
+// semantics are those of the generic kernel, which serves every other configuration.
+// Spec fields: logits dtype (vector loads aligned), pre, bias (none / fp32 with aligned vector
+// loads), group path (none / lanes), post. ids and weights dtypes, E, K, scale and the group
+// counts stay run-time.
+// kEarlyBias (route_warp) only up to kEarlyBiasMaxTokens rows: there the bias's L2 latency is on
+// the critical path; past it the registers it holds cost rows in flight. Measured on the H200
+// (us, early / late, same run): deepseek-v3 fp32 T = 1 2.69 / 2.89-2.96, T = 128 3.75 / 4.03;
+// kimi-k2 T = 1 2.57-2.63 / 2.74; glm-4.5 2.87 / 3.02-3.07; but with the early load for every T,
+// T = 4096 glm-4.5 fp32 7.71 / 6.50 and deepseek-v3 bf16 8.62 / 6.88 (37 registers instead of
+// 29-34 at E = 256).
+struct SpecGeneric {};
+template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarlyBias = false>
+struct Spec {};
+constexpr std::int64_t kEarlyBiasMaxTokens = 256;
+
+template <class S>
+struct SpecTraits;
+template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
+struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
+  static constexpr bool kEarlyBias = kEarly;
+  static bool matches(const RouteParams& p) {
+    if (kEarly && p.num_tokens > kEarlyBiasMaxTokens) return false;
+    if (p.logits_dtype != static_cast<int>(kDtype) || !p.logits_vec) return false;
+    if (p.pre != kPre || p.post != kPost) return false;
+    if (kBias != (p.bias != nullptr)) return false;
+    if (kBias && (p.bias_dtype != static_cast<int>(DType::kFloat32) || !p.bias_vec)) return false;
+    if (kGroupLanes) return p.group_path == routing::kGroupChunks && p.group_lanes != 0;
+    return p.group_path == routing::kGroupNone;
+  }
+  __device__ __forceinline__ static void apply(RouteParams& p) {
+    p.logits_dtype = static_cast<int>(kDtype);
+    p.logits_vec = 1;
+    p.pre = kPre;
+    p.post = kPost;
+    if (kBias) {
+      p.bias_dtype = static_cast<int>(DType::kFloat32);
+      p.bias_vec = 1;
+    } else {
+      p.bias = nullptr;
+    }
+    if (kGroupLanes) {
+      p.group_path = routing::kGroupChunks;
+      p.group_lanes = 1;
+    } else {
+      p.group_path = routing::kGroupNone;
+    }
+  }
+};
+template <>
+struct SpecTraits<SpecGeneric> {
+  static constexpr bool kEarlyBias = false;
+  static bool matches(const RouteParams&) { return true; }
+  __device__ __forceinline__ static void apply(RouteParams&) {}
+};
 
 template <class Shape, class SpecT>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) route_kernel(const RouteParams p0) {
@@ -71,15 +127,25 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
 // kimi-k2 2.76 / 62.5 at T = 1 / 65536 (was 3.16 / 72.2), qwen3-next 2.13 / 59.9 (2.44 / 69.7),
 // deepseek-v3 3.11 / 67.8 (3.60 / 79.5); but at T = 4096 those three got slower with fp32 logits
 // (8.97 / 8.91 / 9.19 against 7.72 / 8.08 / 8.57) while bf16 logits got faster; not understood.
+template <class Shape, class SpecT, class... Rest>
+Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
+  if constexpr (sizeof...(Rest) == 0) {
+    return launch_route<Shape, SpecT>(p, stream);
+  } else {
+    if (SpecTraits<SpecT>::matches(p)) return launch_route<Shape, SpecT>(p, stream);
+    return launch_route_spec<Shape, Rest...>(p, stream);
+  }
+}
+
 template <class Shape, DType kDtype>
 Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
-  return routing::dispatch_spec<Spec<kDtype, PreFn::kSoftmax, false, false, PostFn::kNormalize>,
-                                Spec<kDtype, PreFn::kNone, false, false, PostFn::kSoftmax>,
-                                Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize, true>,
-                                Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize, true>,
-                                Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize>,
-                                Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize>, SpecGeneric>(
-      p, [&](auto spec) { return launch_route<Shape, decltype(spec)>(p, stream); });
+  return launch_route_spec<Shape, Spec<kDtype, PreFn::kSoftmax, false, false, PostFn::kNormalize>,
+                           Spec<kDtype, PreFn::kNone, false, false, PostFn::kSoftmax>,
+                           Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize, true>,
+                           Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize, true>,
+                           Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize>,
+                           Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize>, SpecGeneric>(
+      p, stream);
 }
 
 template <class Shape>

@@ -878,6 +878,17 @@ void check_route_and_layout(const switchyard::ModelPreset& preset, const Case& c
   call.expect_match();
 }
 
+// The Case of a route_and_layout call: T tokens routed by `preset`, tiles of M rows, all experts
+// local, int32 ids (callers adjust the rest).
+Case preset_case(const switchyard::ModelPreset& preset, std::int64_t T, int M) {
+  Case c;
+  c.T = T;
+  c.E = preset.routing.num_experts;
+  c.K = preset.routing.top_k;
+  c.M = M;
+  return c;
+}
+
 // route_and_layout for the presets of the issue at T = 1, 16, 19, 64, 65, 256 and 8192 (the layout
 // side crosses its one-block, cluster and chunked paths), all experts local and a quarter of them
 // (int64 ids).
@@ -892,11 +903,7 @@ TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
     const int E = preset.routing.num_experts;
     for (const std::int64_t T : {1, 16, 19, 64, 65, 256, 8192}) {
       for (const bool ids64 : {false, true}) {
-        Case c;
-        c.T = T;
-        c.E = E;
-        c.K = preset.routing.top_k;
-        c.M = 128;
+        Case c = preset_case(preset, T, 128);
         c.ids64 = ids64;
         if (ids64) {  // expert parallelism: a quarter of the experts are local
           c.local = LocalKind::kRange;
@@ -921,11 +928,7 @@ TEST(LayoutCuda, RouteAndLayoutAllPresets) {
   for (const switchyard::ModelPreset& preset : switchyard::model_presets()) {
     const int E = preset.routing.num_experts;
     for (const std::int64_t T : {0, 1, 7, 64}) {
-      Case c;
-      c.T = T;
-      c.E = E;
-      c.K = preset.routing.top_k;
-      c.M = T == 7 ? 7 : 192;
+      Case c = preset_case(preset, T, T == 7 ? 7 : 192);
       c.ids64 = T == 1;
       if (T == 64) {
         c.local = LocalKind::kRange;
@@ -949,11 +952,7 @@ TEST(LayoutCuda, RouteAndLayoutBf16Logits) {
   for (const switchyard::ModelPreset& preset : switchyard::model_presets()) {
     const int E = preset.routing.num_experts;
     for (const std::int64_t T : {1, 5, 16, 33}) {
-      Case c;
-      c.T = T;
-      c.E = E;
-      c.K = preset.routing.top_k;
-      c.M = T == 5 ? 7 : 128;
+      Case c = preset_case(preset, T, T == 5 ? 7 : 128);
       c.ids64 = T == 5;
       if (T == 33) {  // expert parallelism: a strided local range
         c.local = LocalKind::kRange;
@@ -979,11 +978,7 @@ TEST(LayoutCuda, RouteAndLayoutGraphReplayWithNewLogits) {
     switchyard::ModelPreset preset;
     ASSERT_TRUE(switchyard::find_preset(name, &preset).ok()) << name;
     for (const std::int64_t T : {1, 16, 1000}) {
-      Case c;
-      c.T = T;
-      c.E = preset.routing.num_experts;
-      c.K = preset.routing.top_k;
-      c.M = 128;
+      const Case c = preset_case(preset, T, 128);
       SCOPED_TRACE(preset.name + " " + describe(c));
       RouteLayoutCall call(preset, c, false);
       std::vector<float> logits, bias;

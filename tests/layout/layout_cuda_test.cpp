@@ -918,49 +918,37 @@ TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
   }
 }
 
-// Every preset (so every routing shape and group rule) at small T (T = 0, 1, 7, 64), with odd tile
-// sizes, a strided local range and bf16 weights.
+// Every preset (so every routing shape, specialisation and group rule) at small T, fp32 and bf16
+// logits, with odd tile sizes, int64 ids, bf16 weights and a strided local range mixed in.
 TEST(LayoutCuda, RouteAndLayoutAllPresets) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
+  struct SmallCase {
+    std::int64_t T;
+    int M;
+    bool ids64, strided, weights_bf16;
+    DType logits;
+  };
+  constexpr SmallCase kCases[] = {
+      {0, 192, false, false, false, DType::kFloat32},  {1, 192, true, false, false, DType::kFloat32},
+      {7, 7, false, false, true, DType::kFloat32},     {64, 192, false, true, false, DType::kFloat32},
+      {1, 128, false, false, false, DType::kBFloat16}, {5, 7, true, false, false, DType::kBFloat16},
+      {16, 128, false, false, true, DType::kBFloat16}, {33, 128, false, true, false, DType::kBFloat16},
+  };
   for (const switchyard::ModelPreset& preset : switchyard::model_presets()) {
     const int E = preset.routing.num_experts;
-    for (const std::int64_t T : {0, 1, 7, 64}) {
-      Case c = preset_case(preset, T, T == 7 ? 7 : 192);
-      c.ids64 = T == 1;
-      if (T == 64) {
+    for (const SmallCase& sc : kCases) {
+      Case c = preset_case(preset, sc.T, sc.M);
+      c.ids64 = sc.ids64;
+      if (sc.strided) {  // expert parallelism: a strided local range
         c.local = LocalKind::kRange;
         c.start = 1;
         c.count = (E - 2) / 3 + 1;
         c.stride = 3;
       }
-      check_route_and_layout(preset, c, T == 7, g);
-      if (HasFailure()) return;
-    }
-  }
-}
-
-// bf16 logits through route_and_layout: every preset (so every routing shape, specialisation and
-// group rule) at T = 1, 5, 16 and 33, with odd tiles, int64 ids and a strided local range mixed in.
-TEST(LayoutCuda, RouteAndLayoutBf16Logits) {
-  SY_SKIP_WITHOUT_GPU();
-  const std::uint64_t seed = test_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 g(seed);
-  for (const switchyard::ModelPreset& preset : switchyard::model_presets()) {
-    const int E = preset.routing.num_experts;
-    for (const std::int64_t T : {1, 5, 16, 33}) {
-      Case c = preset_case(preset, T, T == 5 ? 7 : 128);
-      c.ids64 = T == 5;
-      if (T == 33) {  // expert parallelism: a strided local range
-        c.local = LocalKind::kRange;
-        c.start = 1;
-        c.count = (E - 2) / 3 + 1;
-        c.stride = 3;
-      }
-      check_route_and_layout(preset, c, T == 16, g, DType::kBFloat16);
+      check_route_and_layout(preset, c, sc.weights_bf16, g, sc.logits);
       if (HasFailure()) return;
     }
   }

@@ -251,7 +251,9 @@ Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) 
 // ITEMS = groups of 32 picks per warp: a block ranks N (one block) or N / CB (cluster) picks. An
 // exact ITEMS matters: the kernel's loops unroll ITEMS times behind warp-uniform guards, and
 // ITEMS = 2 instead of 4 for 513..1024 picks took E=256 K=8 T = 128 from 3.11 to 2.97 us on the
-// H200. (1024-thread blocks past 512 picks, half the groups per warp, measured slower on the H200 at
+// H200; ITEMS = 6 instead of 8 for 2049..3072 took E=512 K=10 T = 256 from 5.11 to 4.91 (session
+// 6). ITEMS = 3 for 1025..1536 was slower there (E=512 K=10 T = 128 3.91 against 3.80): not used.
+// (1024-thread blocks past 512 picks, half the groups per warp, measured slower on the H200 at
 // afc61dc: E=256 K=8 T = 128 / 256 4.45 / 5.34 us against 4.02 / 5.00; E=512 K=10 5.55 / 6.59
 // against 5.03 / 6.10.)
 template <typename Id>
@@ -260,6 +262,7 @@ Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
   if (p.num_picks <= kThreads * 1) return launch_one_block_config<1, Id>(p, stream);
   if (p.num_picks <= kThreads * 2) return launch_one_block_config<2, Id>(p, stream);
   if (p.num_picks <= kThreads * 4) return launch_one_block_config<4, Id>(p, stream);
+  if (p.num_picks <= kThreads * 6) return launch_one_block_config<6, Id>(p, stream);
   return launch_one_block_config<8, Id>(p, stream);
 }
 

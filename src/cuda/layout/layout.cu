@@ -440,8 +440,8 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
   // A layout the backend cannot do fails before routing writes anything.
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
   // The routing kernel, then the layout kernels, chained by programmatic dependent launch. One
-  // launch was tried four times and measured slower (or no faster) on the H200 (deepseek-v3, fp32 logits, us at
-  // T = 1 / 16 / 256, against these two launches at the time):
+  // launch was tried four times and measured slower (or no faster) on the H200 (deepseek-v3,
+  // fp32 logits, us at T = 1 / 16 / 256, against these two launches at the time):
   //  * every block routing all rows, then a lean layout (up to 6aaec95): 8.4 / 10.2 / - (7.0 / 7.4);
   //  * one cluster of up to 16 blocks, each routing its own rows (a warp per row, route_warp with
   //    the routing kernel's specialisations) and running the cluster form of

@@ -233,7 +233,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     if (!has_picks) break;  // warp-uniform
-    if (j < per_warp) {  // warp-uniform
+    if (j < per_warp) {     // warp-uniform
       const int key = packed[j] >> 16;
       const int rank = __popc(same[j] & lt);
       int run = 0;

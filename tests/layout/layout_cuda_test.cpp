@@ -60,6 +60,11 @@ const char* skew_name(Skew s) {
 
 enum class LocalKind { kAll, kRange, kMap };
 
+// Tokens with two picks of one expert (ids are data: nothing forbids them, and the one-launch
+// kernels' bitmap ranking must notice them): none, in about a third of the tokens, or in the last
+// token only (so that only the last block of a cluster meets one).
+enum class Duplicates { kNone, kMany, kLastToken };
+
 struct Case {
   std::int64_t T = 0;
   int E = 8;
@@ -72,6 +77,7 @@ struct Case {
   int count = -1;        // range / map form: L
   int stride = 1;        // range form
   bool invalid = false;  // mix -1 and ids outside [0, E) into the picks
+  Duplicates duplicates = Duplicates::kNone;
 };
 
 std::string describe(const Case& c) {
@@ -89,7 +95,8 @@ std::string describe(const Case& c) {
       os << "map(L=" << c.count << ")";
       break;
   }
-  os << " invalid=" << c.invalid;
+  os << " invalid=" << c.invalid << " duplicates="
+     << (c.duplicates == Duplicates::kNone ? "none" : c.duplicates == Duplicates::kMany ? "many" : "last");
   return os.str();
 }
 
@@ -168,6 +175,15 @@ Inputs make_inputs(const Case& c, std::uint64_t seed) {
   }
   in.ids = static_cast<double>(c.T) * c.K * c.E <= 2e6 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
                                                        : fast_ids(c.T, c.K, c.E, c.skew, seed, hot);
+  if (c.duplicates != Duplicates::kNone && c.K > 1) {
+    // Slot k of a token repeats one of the token's slots before k.
+    const std::int64_t first = c.duplicates == Duplicates::kMany ? 0 : c.T - 1;
+    for (std::int64_t t = first; t < c.T; ++t) {
+      if (c.duplicates == Duplicates::kMany && g() % 3 != 0) continue;
+      const int k = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(c.K - 1));
+      in.ids[t * c.K + k] = in.ids[t * c.K + static_cast<int>(g() % static_cast<std::uint64_t>(k))];
+    }
+  }
   if (c.invalid) {
     std::vector<std::int64_t> bad = {-1,
                                      -1,
@@ -534,7 +550,9 @@ class ScopedEnv {
 };
 
 // Every path on the same shapes (SWITCHYARD_LAYOUT_PATH forces one where it fits): the one-launch
-// kernels far past the sizes the default selection gives them, so each is checked on its own.
+// kernels far past the sizes the default selection gives them, so each is checked on its own, and
+// with both of their ranking methods (SWITCHYARD_LAYOUT_RANK=ballots; any other value leaves the
+// bitmaps where they fit).
 TEST(LayoutCuda, ForcedPathsMatchCpu) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
@@ -544,11 +562,37 @@ TEST(LayoutCuda, ForcedPathsMatchCpu) {
                                                  {1537, 8},  {4096, 8},  {3001, 10}, {8192, 8}, {6553, 10},
                                                  {65536, 1}, {40000, 1}, {2047, 16}};
   for (const char* path : {"one_block", "cluster8", "cluster16", "chunked"}) {
-    SCOPED_TRACE(std::string("SWITCHYARD_LAYOUT_PATH=") + path);
-    const ScopedEnv env("SWITCHYARD_LAYOUT_PATH", path);
-    for (const auto& [T, K] : shapes) {
+    for (const char* rank : {"bitmaps", "ballots"}) {
+      if (std::string(path) == "chunked" && std::string(rank) == "ballots") continue;  // no ranking knob
+      SCOPED_TRACE(std::string("SWITCHYARD_LAYOUT_PATH=") + path + " SWITCHYARD_LAYOUT_RANK=" + rank);
+      const ScopedEnv env_path("SWITCHYARD_LAYOUT_PATH", path);
+      const ScopedEnv env_rank("SWITCHYARD_LAYOUT_RANK", rank);
+      for (const auto& [T, K] : shapes) {
+        for (const int E : {256, 61}) {
+          check_case(random_case(T, E, K, g), g());
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// Tokens with two picks of one expert, on every path: the one-launch kernels' bitmaps see the
+// duplicate and those blocks rank by ballots (in a cluster, only the blocks that meet one).
+TEST(LayoutCuda, DuplicatePicksInAToken) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  const std::pair<std::int64_t, int> shapes[] = {{1, 8},    {5, 2},      {64, 8},    {511, 8},  {3001, 10},
+                                                 {4096, 8}, {8191, 8},   {6553, 10}, {2047, 16}, {333, 32},
+                                                 {20000, 4}, {65536, 8}};
+  for (const auto& [T, K] : shapes) {
+    for (const Duplicates d : {Duplicates::kMany, Duplicates::kLastToken}) {
       for (const int E : {256, 61}) {
-        check_case(random_case(T, E, K, g), g());
+        Case c = random_case(T, E, K, g);
+        c.duplicates = d;
+        check_case(c, g());
         if (HasFatalFailure()) return;
       }
     }

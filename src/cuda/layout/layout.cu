@@ -200,14 +200,36 @@ Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
       layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
+// SWITCHYARD_LAYOUT_RANK=ballots (environment, read per call) makes the one-launch kernels rank by
+// ballots where they would use bitmaps: a testing and tuning knob.
+bool ballots_forced() {
+  const char* v = std::getenv("SWITCHYARD_LAYOUT_RANK");
+  return v != nullptr && std::string(v) == "ballots";
+}
+
+// LayoutParams::rank_words for a one-launch kernel whose blocks rank `picks` consecutive picks
+// (N, or the cluster chunk): one bitmap word per 32 tokens those picks can span, or 0 (ballots)
+// where the bitmaps do not fit beside the rest of the shared memory.
+int rank_words(const LayoutParams& p, bool cluster, int picks) {
+  if (ballots_forced() || p.num_picks == 0) return 0;
+  // A run of `picks` picks spans at most (picks - 1) / K + 2 tokens (its ends may cut two).
+  const long long tokens = std::min<long long>(p.num_tokens, (picks - 1) / p.top_k + 2);
+  const int words = static_cast<int>(ceil_div(tokens, 32));
+  const int chunk = cluster ? picks : 0;
+  return layout_detail::one_launch_smem_bytes(p.num_local, cluster, chunk, words) <= layout_detail::kOneMaxSmem
+             ? words
+             : 0;
+}
+
+// The cluster form's shared memory, with the bitmaps where they fit.
+std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
+  const int chunk = layout_detail::cluster_chunk(p.num_picks, blocks);
+  return layout_detail::one_launch_smem_bytes(p.num_local, true, chunk, rank_words(p, true, chunk));
+}
+
 bool one_block_fits(const LayoutParams& p) {
   return p.num_picks <= kOneBlockMaxPicks &&
          layout_detail::one_launch_smem_bytes(p.num_local, false) <= layout_detail::kOneMaxSmem;
-}
-
-std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
-  return layout_detail::one_launch_smem_bytes(p.num_local, true,
-                                              layout_detail::cluster_chunk(p.num_picks, blocks));
 }
 
 // The cluster form fits: N <= max_picks (and at most 8 groups of 32 picks per warp) and its
@@ -239,12 +261,13 @@ template <int ITEMS, typename Id>
 Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) {
   const long long rows = std::max<long long>(params.capacity_rows, params.num_picks);
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
-  const LayoutParams p = with_block_slices(params, blocks);
+  LayoutParams p = with_block_slices(params, blocks);
+  p.rank_words = rank_words(p, false, p.num_picks);
+  const std::size_t smem = layout_detail::one_launch_smem_bytes(p.num_local, false, 0, p.rank_words);
   return with_key_bits(p, [&](auto kb) {
     return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id>>(
         "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
-        dim3(layout_detail::kOneThreads), layout_detail::one_launch_smem_bytes(p.num_local, false), stream,
-        p);
+        dim3(layout_detail::kOneThreads), smem, stream, p);
   });
 }
 
@@ -281,8 +304,9 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
 
 template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
-  const LayoutParams p = with_block_slices(params, CB);
+  LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
+  p.rank_words = rank_words(p, true, chunk);
   const std::size_t smem = cluster_smem_bytes(p, CB);
   return with_key_bits(p, [&](auto kb) {
     constexpr int KB = decltype(kb)::value;

@@ -93,18 +93,34 @@ static_assert(kOneWarps % 4 == 0, "the histogram is zeroed with 16-byte stores")
 constexpr int kClusterBlocksPortable = 8;
 constexpr std::size_t kOneMaxSmem = 160 * 1024;
 
+// Zeroes words [0, n) of 16-byte-aligned shared memory, to whole 16 bytes (the ranking region is
+// sized for that: rank_region_words). Called by all kOneThreads threads.
+__device__ __forceinline__ void zero_words(int* a, int n) {
+  for (int i = static_cast<int>(threadIdx.x); i < (n + 3) / 4; i += kOneThreads)
+    reinterpret_cast<int4*>(a)[i] = int4{0, 0, 0, 0};
+}
+
 // Picks ranked by each block of a CB-block cluster: ceil(N / CB) rounded up to whole warps' groups.
 __host__ __device__ inline constexpr int cluster_chunk(int N, int CB) {
   return ((N + CB - 1) / CB + 31) / 32 * 32;
 }
 
-// Dynamic shared memory (int32): hist[warps][L], offs[L + 1], ends[L], long_runs[L]; the cluster form adds
-// base[L] (row of the block's first pick of l), block_counts[L + 1] ([L] = dropped ids),
-// lstart[L] (the block's first staged pick of l) and the staging arrays stage_x[chunk],
-// stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form).
-__host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0) {
-  return (static_cast<std::size_t>(kOneWarps + 3 + (cluster ? 3 : 0)) * L + 1 + (cluster ? 1 : 0) +
-          (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
+// The ranking region (int32 words): the ballot ranking's hist[kOneWarps][L], or the bitmap
+// ranking's bits[words][L] and word_base[words][L] in the same memory (a block that finds two
+// picks of one expert in one token goes from the bitmaps to the ballots), to whole 16 bytes.
+__host__ __device__ inline constexpr std::size_t rank_region_words(int L, int words) {
+  return (static_cast<std::size_t>(kOneWarps > 2 * words ? kOneWarps : 2 * words) * L + 3) / 4 * 4;
+}
+
+// Dynamic shared memory (int32): the ranking region, offs[L + 1], ends[L], long_runs[L]; the
+// cluster form adds base[L] (row of the block's first pick of l), block_counts[L + 1] ([L] =
+// dropped ids), lstart[L] (the block's first staged pick of l) and the staging arrays
+// stage_x[chunk], stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form),
+// `words` is LayoutParams::rank_words.
+__host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0,
+                                                                       int words = 0) {
+  return (rank_region_words(L, words) + static_cast<std::size_t>(3 + (cluster ? 3 : 0)) * L + 1 +
+          (cluster ? 1 : 0) + (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
          4;
 }
 
@@ -128,6 +144,7 @@ struct OneShared {
     OneScan64::TempStorage scan64;  // cluster form: two sums at once
   };
   int dropped;
+  int duplicates;     // bitmap ranking: some token has two picks of one local expert
   int num_long_runs;  // experts whose tiles in this block's slice are left to the whole block
 };
 
@@ -148,8 +165,11 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int block = static_cast<int>(blockIdx.x);
-  int* hist = dyn;                                 // [kOneWarps][L]
-  int* offs = hist + kOneWarps * L;                // [L + 1]
+  const int W = p.rank_words;                        // 0: ballot ranking
+  int* hist = dyn;                                   // [kOneWarps][L] (ballot ranking)
+  unsigned* bits = reinterpret_cast<unsigned*>(dyn);  // [W][L] (bitmap ranking)
+  int* word_base = dyn + W * L;                      // [W][L] (bitmap ranking)
+  int* offs = dyn + rank_region_words(L, W);         // [L + 1]
   int* ends = offs + L + 1;                        // [L]
   int* long_runs = ends + L;                       // [L]
   int* base = kCluster ? long_runs + L : offs;     // [L]
@@ -158,10 +178,10 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int* stage_x = lstart + L;                       // [chunk] (cluster form only)
 
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
-  for (int i = tid; i < kOneWarps / 4 * L; i += kOneThreads)
-    reinterpret_cast<int4*>(hist)[i] = int4{0, 0, 0, 0};
+  zero_words(dyn, W > 0 ? W * L : kOneWarps * L);
   if (tid == 0) {
     sh.dropped = 0;
+    sh.duplicates = 0;
     sh.num_long_runs = 0;
   }
   pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
@@ -177,6 +197,12 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     c1 = min(N, c0 + chunk);
   }
   int* stage_row = stage_x + chunk;  // [chunk] (cluster form only)
+  // t = x / K as a multiply-high (token_magic): exact for x * K < 2^32, true here (x < N <= 65536
+  // and K <= N).
+  const auto token_of = [&](int x) {
+    return p.token_magic == 0 ? x : static_cast<int>(__umulhi(static_cast<std::uint32_t>(x), p.token_magic));
+  };
+  const int first_token = token_of(c0);  // bitmap ranking: bit u of word w <-> token first + 32 w + u
   // Groups of 32 picks: warp w owns groups [w * per_warp, (w + 1) * per_warp) of the chunk.
   const int groups = (c1 - c0 + 31) >> 5;
   const int per_warp = (groups + kOneWarps - 1) / kOneWarps;  // <= ITEMS
@@ -210,12 +236,43 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   }
 
   int dropped = 0;
-  int packed[ITEMS];  // key << 16 | position of the pick in its warp's run of its expert
+  int packed[ITEMS];  // key << 16 | ballot ranking: position of the pick in its warp's run of its expert
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) packed[j] = local_key(static_cast<long long>(raw[j]), p, dropped) << 16;
-  __syncthreads();  // hist zeroed
+  __syncthreads();  // ranking region zeroed
+  dropped = __reduce_add_sync(0xffffffffu, dropped);
+  if (lane == 0 && dropped != 0) atomicAdd(&sh.dropped, dropped);  // a sum: order does not matter
 
-  // 1. Per-warp ranks (only warp w touches hist[w]: no atomics, no timing dependence).
+  // 1. Ranks within the block, by one of two methods (block-uniform choice).
+  //    Bitmaps (rank_words > 0): pick x of token t sets bit t - first_token of its expert's bitmap;
+  //    its rank among the block's picks of that expert is the number of bits below its own, which
+  //    is its rank in x order when no token has two picks of one expert. OR is order-free, so the
+  //    bitmaps (and the ranks) do not depend on timing. A bit that was already set is such a
+  //    duplicate (ids are data: nothing forbids them); a block that finds one ranks by ballots
+  //    instead. Blocks of a cluster decide each for their own chunk: either method gives the same
+  //    ranks where it applies.
+  bool by_bits = W > 0;
+  if (by_bits) {
+    bool duplicate = false;
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+      const int key = packed[j] >> 16;
+      if (key < L) {  // a placed pick: x < c1
+        const int u = token_of(c0 + (group0 + j) * 32 + lane) - first_token;
+        const unsigned bit = 1u << (u & 31);
+        if (atomicOr(&bits[(u >> 5) * L + key], bit) & bit) duplicate = true;
+      }
+    }
+    if (__any_sync(0xffffffffu, duplicate) && lane == 0) atomicOr(&sh.duplicates, 1);
+    __syncthreads();  // bitmaps complete
+    if (sh.duplicates != 0) {
+      by_bits = false;
+      zero_words(hist, kOneWarps * L);  // the bitmaps are not read again
+      __syncthreads();
+    }
+  }
+
+  //    Ballots: per-warp ranks (only warp w touches hist[w]: no atomics, no timing dependence).
   //    The ballots of all groups first (independent of each other), then the chain through the
   //    warp's running counts, which only the groups' order serializes.
   int* my_hist = hist + warp * L;
@@ -227,41 +284,56 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   // against 2.36 / 2.40, deepseek-v3 route+layout 4.72 / 5.50 against 4.88 / 5.68. With ITEMS > 1
   // the same warp-dependent branch cost more than it saved (E=512 K=10 T = 128 4.37 against 3.96),
   // so it is compiled out there and in the cluster form.
-  const bool has_picks = ITEMS > 1 || kCluster || group0 < groups;  // warp-uniform
+  if (!by_bits) {
+    const bool has_picks = ITEMS > 1 || kCluster || group0 < groups;  // warp-uniform
 #pragma unroll
-  for (int j = 0; j < ITEMS; ++j) same[j] = j < per_warp && has_picks ? match_key<KB>(packed[j] >> 16) : 0u;
+    for (int j = 0; j < ITEMS; ++j) same[j] = j < per_warp && has_picks ? match_key<KB>(packed[j] >> 16) : 0u;
 #pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    if (!has_picks) break;  // warp-uniform
-    if (j < per_warp) {     // warp-uniform
-      const int key = packed[j] >> 16;
-      const int rank = __popc(same[j] & lt);
-      int run = 0;
-      if (key < L) run = my_hist[key];
-      __syncwarp();
-      if (key < L && rank == 0) my_hist[key] = run + __popc(same[j]);
-      __syncwarp();
-      packed[j] |= run + rank;
+    for (int j = 0; j < ITEMS; ++j) {
+      if (!has_picks) break;  // warp-uniform
+      if (j < per_warp) {     // warp-uniform
+        const int key = packed[j] >> 16;
+        const int rank = __popc(same[j] & lt);
+        int run = 0;
+        if (key < L) run = my_hist[key];
+        __syncwarp();
+        if (key < L && rank == 0) my_hist[key] = run + __popc(same[j]);
+        __syncwarp();
+        packed[j] |= run + rank;
+      }
     }
+    __syncthreads();  // hist complete
   }
-  dropped = __reduce_add_sync(0xffffffffu, dropped);
-  if (lane == 0 && dropped != 0) atomicAdd(&sh.dropped, dropped);  // a sum: order does not matter
-  __syncthreads();                                                 // hist complete
 
-  // 2. Per expert (thread t owns experts [e_begin, e_end)): hist[w][l] -> its exclusive prefix
-  //    over w; the block's count of l.
+  // 2. Per expert (thread t owns experts [e_begin, e_end)): the block's count of l, and
+  //    bitmaps: word_base[w][l] = the set bits of l's words before w;
+  //    ballots: hist[w][l] -> its exclusive prefix over the warps w.
   const int per_thread = (L + kOneThreads - 1) / kOneThreads;
   const int e_begin = min(L, tid * per_thread);
   const int e_end = min(L, e_begin + per_thread);
   for (int l = e_begin; l < e_end; ++l) {
-    int v[kOneWarps];  // all loads before any store (the compiler cannot tell the rows apart)
-#pragma unroll
-    for (int w = 0; w < kOneWarps; ++w) v[w] = hist[w * L + l];
     int c = 0;
+    if (by_bits) {
+      constexpr int kBatch = 4;  // loads before stores (the compiler cannot tell the arrays apart)
+      for (int w0 = 0; w0 < W; w0 += kBatch) {
+        unsigned v[kBatch];
 #pragma unroll
-    for (int w = 0; w < kOneWarps; ++w) {
-      hist[w * L + l] = c;
-      c += v[w];
+        for (int i = 0; i < kBatch; ++i) v[i] = w0 + i < W ? bits[(w0 + i) * L + l] : 0u;
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          if (w0 + i < W) word_base[(w0 + i) * L + l] = c;
+          c += __popc(v[i]);
+        }
+      }
+    } else {
+      int v[kOneWarps];  // all loads before any store
+#pragma unroll
+      for (int w = 0; w < kOneWarps; ++w) v[w] = hist[w * L + l];
+#pragma unroll
+      for (int w = 0; w < kOneWarps; ++w) {
+        hist[w * L + l] = c;
+        c += v[w];
+      }
     }
     block_counts[l] = c;  // one block: ends[l] holds the count until the scan
   }
@@ -370,11 +442,6 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int x0 = c0;
   int x1 = c1;
   if constexpr (!kCluster) slice(N, block, p.picks_per_block, x0, x1);
-  // t = x / K as a multiply-high (token_magic): exact for x * K < 2^32, true here (x < N <= 65536
-  // and K <= N).
-  const auto token_of = [&](int x) {
-    return p.token_magic == 0 ? x : static_cast<int>(__umulhi(static_cast<std::uint32_t>(x), p.token_magic));
-  };
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
     const int x = c0 + (group0 + j) * 32 + lane;
@@ -382,7 +449,14 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       const int key = packed[j] >> 16;
       int row = -1;
       if (key < L) {
-        const int within = my_hist[key] + (packed[j] & 0xffff);  // the block's earlier picks of l
+        int within;  // the block's earlier picks of l
+        if (by_bits) {
+          const int u = token_of(x) - first_token;
+          const int i = (u >> 5) * L + key;
+          within = word_base[i] + __popc(bits[i] & ((1u << (u & 31)) - 1u));
+        } else {
+          within = my_hist[key] + (packed[j] & 0xffff);
+        }
         row = base[key] + within;
         if constexpr (kCluster) {
           const int s = lstart[key] + within;

@@ -200,31 +200,25 @@ Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
       layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
-// SWITCHYARD_LAYOUT_RANK=ballots (environment, read per call) makes the one-launch kernels rank by
-// ballots where they would use bitmaps: a testing and tuning knob.
+// SWITCHYARD_LAYOUT_RANK=ballots (environment, read per call) makes the one-block kernel rank by
+// ballots where it would use bitmaps: a testing and tuning knob.
 bool ballots_forced() {
   const char* v = std::getenv("SWITCHYARD_LAYOUT_RANK");
   return v != nullptr && std::string(v) == "ballots";
 }
 
-// LayoutParams::rank_words for a one-launch kernel whose blocks rank `picks` consecutive picks
-// (N, or the cluster chunk): one bitmap word per 32 tokens those picks can span, or 0 (ballots)
-// where the bitmaps do not fit beside the rest of the shared memory.
-int rank_words(const LayoutParams& p, bool cluster, int picks) {
-  if (ballots_forced() || p.num_picks == 0) return 0;
-  // A run of `picks` picks spans at most (picks - 1) / K + 2 tokens (its ends may cut two).
-  const long long tokens = std::min<long long>(p.num_tokens, (picks - 1) / p.top_k + 2);
-  const int words = static_cast<int>(ceil_div(tokens, 32));
-  const int chunk = cluster ? picks : 0;
-  return layout_detail::one_launch_smem_bytes(p.num_local, cluster, chunk, words) <= layout_detail::kOneMaxSmem
-             ? words
-             : 0;
+// LayoutParams::rank_words for the one-block kernel with ITEMS > 1 (the one that ranks by bitmaps):
+// one bitmap word per 32 tokens, or 0 (ballots) where the bitmaps do not fit beside the rest of its
+// shared memory.
+int rank_words(const LayoutParams& p) {
+  if (ballots_forced()) return 0;
+  const int words = static_cast<int>(ceil_div(p.num_tokens, 32));
+  return layout_detail::one_launch_smem_bytes(p.num_local, false, 0, words) <= layout_detail::kOneMaxSmem ? words
+                                                                                                          : 0;
 }
 
-// The cluster form's shared memory, with the bitmaps where they fit.
 std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
-  const int chunk = layout_detail::cluster_chunk(p.num_picks, blocks);
-  return layout_detail::one_launch_smem_bytes(p.num_local, true, chunk, rank_words(p, true, chunk));
+  return layout_detail::one_launch_smem_bytes(p.num_local, true, layout_detail::cluster_chunk(p.num_picks, blocks));
 }
 
 bool one_block_fits(const LayoutParams& p) {
@@ -262,7 +256,7 @@ Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) 
   const long long rows = std::max<long long>(params.capacity_rows, params.num_picks);
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
   LayoutParams p = with_block_slices(params, blocks);
-  p.rank_words = rank_words(p, false, p.num_picks);
+  p.rank_words = ITEMS > 1 ? rank_words(p) : 0;
   const std::size_t smem = layout_detail::one_launch_smem_bytes(p.num_local, false, 0, p.rank_words);
   return with_key_bits(p, [&](auto kb) {
     return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id>>(
@@ -306,7 +300,6 @@ template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
   LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
-  p.rank_words = rank_words(p, true, chunk);
   const std::size_t smem = cluster_smem_bytes(p, CB);
   return with_key_bits(p, [&](auto kb) {
     constexpr int KB = decltype(kb)::value;

@@ -1,7 +1,8 @@
 // One-launch layout for small and medium N = T*K (DESIGN.md section 3): a stable counting sort
-// with per-warp ranks (match_key below), shaped so that the critical path after
-// pdl_wait() is short: ids -> ranks -> counts -> one scan -> writes, with no per-expert fill pass
-// behind the scan.
+// with ranks from per-expert token bitmaps (one-block form, N > 512) or from per-warp ballots
+// (match_key below; the other kernels, and the bitmaps' fallback), shaped so that the critical
+// path after pdl_wait() is short: ids -> ranks -> counts -> one scan -> writes, with no per-expert
+// fill pass behind the scan.
 //
 //  * One-block form: rows and tiles that are not real rows/tiles are written FIRST, right after
 //    pdl_wait(), before anything is known: block g fills its slice [r0, r1) of the rows with the
@@ -39,8 +40,9 @@
 // both are latency/issue bound (IPC 1.2-1.7 with 16 warps per SM, ~1000 instructions per warp at
 // T = 256, a third of them the 32-pick ranking rounds).
 //
-// Deterministic: the only atomics add up the dropped count (a sum, order-free); ranks come from
-// ballots within 32 picks (match_key) and per-warp running counts owned by one warp.
+// Deterministic: the atomics add up the dropped count (a sum, order-free) and OR bits into the
+// bitmaps (order-free); ballot ranks come from ballots within 32 picks (match_key) and per-warp
+// running counts owned by one warp.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -96,7 +98,7 @@ constexpr std::size_t kOneMaxSmem = 160 * 1024;
 // Zeroes words [0, n) of 16-byte-aligned shared memory, to whole 16 bytes (the ranking region is
 // sized for that: rank_region_words). Called by all kOneThreads threads.
 __device__ __forceinline__ void zero_words(int* a, int n) {
-  for (int i = static_cast<int>(threadIdx.x); i < (n + 3) / 4; i += kOneThreads)
+  for (int i = static_cast<int>(threadIdx.x); i < (n + 3) >> 2; i += kOneThreads)
     reinterpret_cast<int4*>(a)[i] = int4{0, 0, 0, 0};
 }
 
@@ -153,6 +155,95 @@ struct OneShared {
 // with a small M), else by the whole block after the next barrier.
 constexpr int kTilesPerThread = 4;
 
+// Ballot ranking, part 1 (match_key): packed[j] = key << 16 for the thread's pick j (key = its
+// local expert, L: not placed) gets the pick's rank among its warp's picks of that expert in its
+// low 16 bits (one register per pick up to the row writes), with warp w's groups of 32 picks
+// [group0, group0 + per_warp) of the chunk. Per-warp counts hist[w][l] (only warp w touches them:
+// no atomics, no timing dependence; zeroed before): the ballots of all groups first (independent
+// of each other), then the chain through the warp's running counts, which only the groups' order
+// serializes.
+template <int ITEMS, bool kCluster, int KB>
+__device__ __forceinline__ void warp_ballot_ranks(int* packed, int* my_hist, int L, int per_warp, int group0,
+                                                  int groups) {
+  const unsigned lt = lanemask_lt();
+  unsigned same[ITEMS];
+  // One-block form, N <= 512 (ITEMS = 1): the last warps own no picks (their groups all lie past
+  // the chunk), and they skip the ranking instead of taking issue slots from the warps with picks
+  // for ballots over dummies. Measured on the H200 (E=256 K=8 M=128, us): T = 1 / 16 2.18 / 2.23
+  // against 2.36 / 2.40, deepseek-v3 route+layout 4.72 / 5.50 against 4.88 / 5.68. With ITEMS > 1
+  // the same warp-dependent branch cost more than it saved (E=512 K=10 T = 128 4.37 against 3.96),
+  // so it is compiled out there and in the cluster form.
+  const bool has_picks = ITEMS > 1 || kCluster || group0 < groups;  // warp-uniform
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) same[j] = j < per_warp && has_picks ? match_key<KB>(packed[j] >> 16) : 0u;
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    if (!has_picks) break;  // warp-uniform
+    if (j < per_warp) {     // warp-uniform
+      const int key = packed[j] >> 16;
+      const int rank = __popc(same[j] & lt);
+      int run = 0;
+      if (key < L) run = my_hist[key];
+      __syncwarp();
+      if (key < L && rank == 0) my_hist[key] = run + __popc(same[j]);
+      __syncwarp();
+      packed[j] |= run + rank;
+    }
+  }
+}
+
+// Ballot ranking, part 2, per expert l of the thread ([e_begin, e_end)): hist[w][l] -> its
+// exclusive prefix over the warps w; block_counts[l] = the block's count of l.
+__device__ __forceinline__ void warp_prefix(int* hist, int* block_counts, int L, int e_begin, int e_end) {
+  for (int l = e_begin; l < e_end; ++l) {
+    int v[kOneWarps];  // all loads before any store (the compiler cannot tell the rows apart)
+#pragma unroll
+    for (int w = 0; w < kOneWarps; ++w) v[w] = hist[w * L + l];
+    int c = 0;
+#pragma unroll
+    for (int w = 0; w < kOneWarps; ++w) {
+      hist[w * L + l] = c;
+      c += v[w];
+    }
+    block_counts[l] = c;
+  }
+}
+
+template <int ITEMS>
+struct PickInts {
+  int v[ITEMS];
+};
+
+// The ballot ranking whole, for the blocks of a bitmap-ranking kernel that meet a duplicate (see
+// one_launch_layout): returns the rank of each of the thread's picks among the block's picks of
+// its expert (0 for picks not placed) and writes block_counts[l] for the thread's experts. Called
+// by all kOneThreads threads, with the ranking region free. Not inlined, and its arguments and
+// result by value (no local memory), to keep the bitmap path short: with this code inlined the
+// bitmap kernels were ~0.15 us slower at every T on the H200, though the bitmap path ran the same
+// instructions (E=256 K=8 T = 1 / 256: 2.38 / 3.95 us, against 2.25 / 3.84 with it compiled out).
+template <int ITEMS, int KB>
+__device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> keys, int* hist, int* block_counts,
+                                                        int L, int per_warp, int groups) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  zero_words(hist, kOneWarps * L);
+  __syncthreads();
+  int* my_hist = hist + warp * L;
+  int packed[ITEMS];
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) packed[j] = keys.v[j] << 16;
+  warp_ballot_ranks<ITEMS, false, KB>(packed, my_hist, L, per_warp, warp * per_warp, groups);
+  __syncthreads();  // hist complete
+  const int per_thread = (L + kOneThreads - 1) / kOneThreads;
+  const int e_begin = min(L, tid * per_thread);
+  warp_prefix(hist, block_counts, L, e_begin, min(L, e_begin + per_thread));
+  __syncthreads();  // prefixes complete
+  PickInts<ITEMS> within;
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) within.v[j] = keys.v[j] < L ? my_hist[keys.v[j]] + (packed[j] & 0xffff) : 0;
+  return within;
+}
+
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
 // cluster of CB blocks).
@@ -165,11 +256,14 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int block = static_cast<int>(blockIdx.x);
-  const int W = p.rank_words;                        // 0: ballot ranking
-  int* hist = dyn;                                   // [kOneWarps][L] (ballot ranking)
+  // Bitmap ranking in the one-block form with more than 512 picks (see 1. below); rank_words is 0
+  // elsewhere.
+  constexpr bool kBits = !kCluster && ITEMS > 1;
+  const int W = kBits ? p.rank_words : 0;
+  int* hist = dyn;                                 // [kOneWarps][L] (ballot ranking)
   unsigned* bits = reinterpret_cast<unsigned*>(dyn);  // [W][L] (bitmap ranking)
-  int* word_base = dyn + W * L;                      // [W][L] (bitmap ranking)
-  int* offs = dyn + rank_region_words(L, W);         // [L + 1]
+  int* word_base = dyn + W * L;                    // [W][L] (bitmap ranking)
+  int* offs = dyn + rank_region_words(L, W);       // [L + 1]
   int* ends = offs + L + 1;                        // [L]
   int* long_runs = ends + L;                       // [L]
   int* base = kCluster ? long_runs + L : offs;     // [L]
@@ -178,10 +272,10 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int* stage_x = lstart + L;                       // [chunk] (cluster form only)
 
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
-  zero_words(dyn, W > 0 ? W * L : kOneWarps * L);
+  zero_words(dyn, kBits ? W * L : kOneWarps * L);  // bitmaps or hist (rank_by_ballots zeroes its own)
   if (tid == 0) {
     sh.dropped = 0;
-    sh.duplicates = 0;
+    if (kBits) sh.duplicates = 0;
     sh.num_long_runs = 0;
   }
   pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
@@ -236,84 +330,65 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   }
 
   int dropped = 0;
-  int packed[ITEMS];  // key << 16 | ballot ranking: position of the pick in its warp's run of its expert
+  // The picks' local experts (L: not placed); the ballots' packed form key << 16 | rank.
+  PickInts<ITEMS> keys;
+  int* key = keys.v;
 #pragma unroll
-  for (int j = 0; j < ITEMS; ++j) packed[j] = local_key(static_cast<long long>(raw[j]), p, dropped) << 16;
+  for (int j = 0; j < ITEMS; ++j) key[j] = local_key(static_cast<long long>(raw[j]), p, dropped) << (kBits ? 0 : 16);
   __syncthreads();  // ranking region zeroed
-  dropped = __reduce_add_sync(0xffffffffu, dropped);
-  if (lane == 0 && dropped != 0) atomicAdd(&sh.dropped, dropped);  // a sum: order does not matter
+  const auto add_dropped = [&] {  // before the barrier that ends the ranking
+    dropped = __reduce_add_sync(0xffffffffu, dropped);
+    if (lane == 0 && dropped != 0) atomicAdd(&sh.dropped, dropped);  // a sum: order does not matter
+  };
 
-  // 1. Ranks within the block, by one of two methods (block-uniform choice).
-  //    Bitmaps (rank_words > 0): pick x of token t sets bit t - first_token of its expert's bitmap;
-  //    its rank among the block's picks of that expert is the number of bits below its own, which
-  //    is its rank in x order when no token has two picks of one expert. OR is order-free, so the
-  //    bitmaps (and the ranks) do not depend on timing. A bit that was already set is such a
-  //    duplicate (ids are data: nothing forbids them); a block that finds one ranks by ballots
-  //    instead. Blocks of a cluster decide each for their own chunk: either method gives the same
-  //    ranks where it applies.
-  bool by_bits = W > 0;
-  if (by_bits) {
-    bool duplicate = false;
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-      const int key = packed[j] >> 16;
-      if (key < L) {  // a placed pick: x < c1
-        const int u = token_of(c0 + (group0 + j) * 32 + lane) - first_token;
-        const unsigned bit = 1u << (u & 31);
-        if (atomicOr(&bits[(u >> 5) * L + key], bit) & bit) duplicate = true;
-      }
-    }
-    if (__any_sync(0xffffffffu, duplicate) && lane == 0) atomicOr(&sh.duplicates, 1);
-    __syncthreads();  // bitmaps complete
-    if (sh.duplicates != 0) {
-      by_bits = false;
-      zero_words(hist, kOneWarps * L);  // the bitmaps are not read again
-      __syncthreads();
-    }
-  }
-
-  //    Ballots: per-warp ranks (only warp w touches hist[w]: no atomics, no timing dependence).
-  //    The ballots of all groups first (independent of each other), then the chain through the
-  //    warp's running counts, which only the groups' order serializes.
+  // 1. Ranks within the block.
+  //    Bitmaps (kBits): pick x of token t sets bit t - first_token of its expert's bitmap; its rank
+  //    among the block's picks of that expert is the number of bits below its own, which is its
+  //    rank in x order when no token has two picks of one expert. OR is order-free, so the bitmaps
+  //    (and the ranks) do not depend on timing. A bit that was already set is such a duplicate (ids
+  //    are data: nothing forbids them); a block that finds one ranks by ballots instead
+  //    (rank_by_ballots), as do the blocks whose bitmaps do not fit (rank_words = 0). Measured on
+  //    the H200 (E=256 K=8 M=128, us, against ballots): T = 128 / 256 2.95 / 3.99 (3.00 / 4.24),
+  //    E=512 K=10 3.49 / 4.35 (3.98 / 4.89). At N <= 512 (ITEMS = 1) bitmaps were no faster, and
+  //    in the cluster form they saved nothing either (T = 4096 8.21 against 8.08): those rank by
+  //    ballots, whose code they inline.
+  //    Ballots: warp_ballot_ranks and warp_prefix.
   int* my_hist = hist + warp * L;
-  const unsigned lt = lanemask_lt();
-  unsigned same[ITEMS];
-  // One-block form, N <= 512 (ITEMS = 1): the last warps own no picks (their groups all lie past
-  // the chunk), and they skip the ranking instead of taking issue slots from the warps with picks
-  // for ballots over dummies. Measured on the H200 (E=256 K=8 M=128, us): T = 1 / 16 2.18 / 2.23
-  // against 2.36 / 2.40, deepseek-v3 route+layout 4.72 / 5.50 against 4.88 / 5.68. With ITEMS > 1
-  // the same warp-dependent branch cost more than it saved (E=512 K=10 T = 128 4.37 against 3.96),
-  // so it is compiled out there and in the cluster form.
-  if (!by_bits) {
-    const bool has_picks = ITEMS > 1 || kCluster || group0 < groups;  // warp-uniform
+  PickInts<ITEMS> ballot_within{};  // bitmap kernels' ballot fallback
+  bool by_bits = false;
+  if constexpr (kBits) {
+    by_bits = W > 0;
+    if (by_bits) {
+      bool duplicate = false;
 #pragma unroll
-    for (int j = 0; j < ITEMS; ++j) same[j] = j < per_warp && has_picks ? match_key<KB>(packed[j] >> 16) : 0u;
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-      if (!has_picks) break;  // warp-uniform
-      if (j < per_warp) {     // warp-uniform
-        const int key = packed[j] >> 16;
-        const int rank = __popc(same[j] & lt);
-        int run = 0;
-        if (key < L) run = my_hist[key];
-        __syncwarp();
-        if (key < L && rank == 0) my_hist[key] = run + __popc(same[j]);
-        __syncwarp();
-        packed[j] |= run + rank;
+      for (int j = 0; j < ITEMS; ++j) {
+        if (key[j] < L) {  // a placed pick: x < c1
+          const int u = token_of(c0 + (group0 + j) * 32 + lane) - first_token;
+          const unsigned bit = 1u << (u & 31);
+          if (atomicOr(&bits[(u >> 5) * L + key[j]], bit) & bit) duplicate = true;
+        }
       }
+      if (__any_sync(0xffffffffu, duplicate) && lane == 0) atomicOr(&sh.duplicates, 1);
+      add_dropped();
+      __syncthreads();  // bitmaps complete
+      by_bits = sh.duplicates == 0;
     }
+    if (W == 0) add_dropped();
+    if (!by_bits) ballot_within = rank_by_ballots<ITEMS, KB>(keys, hist, block_counts, L, per_warp, groups);
+  } else {
+    warp_ballot_ranks<ITEMS, kCluster, KB>(key, my_hist, L, per_warp, group0, groups);
+    add_dropped();
     __syncthreads();  // hist complete
   }
 
   // 2. Per expert (thread t owns experts [e_begin, e_end)): the block's count of l, and
-  //    bitmaps: word_base[w][l] = the set bits of l's words before w;
-  //    ballots: hist[w][l] -> its exclusive prefix over the warps w.
+  //    bitmaps: word_base[w][l] = the set bits of l's words before w; ballots: warp_prefix.
   const int per_thread = (L + kOneThreads - 1) / kOneThreads;
   const int e_begin = min(L, tid * per_thread);
   const int e_end = min(L, e_begin + per_thread);
-  for (int l = e_begin; l < e_end; ++l) {
-    int c = 0;
-    if (by_bits) {
+  if constexpr (kBits) {
+    for (int l = e_begin; by_bits && l < e_end; ++l) {
+      int c = 0;
       constexpr int kBatch = 4;  // loads before stores (the compiler cannot tell the arrays apart)
       for (int w0 = 0; w0 < W; w0 += kBatch) {
         unsigned v[kBatch];
@@ -325,17 +400,10 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
           c += __popc(v[i]);
         }
       }
-    } else {
-      int v[kOneWarps];  // all loads before any store
-#pragma unroll
-      for (int w = 0; w < kOneWarps; ++w) v[w] = hist[w * L + l];
-#pragma unroll
-      for (int w = 0; w < kOneWarps; ++w) {
-        hist[w * L + l] = c;
-        c += v[w];
-      }
+      block_counts[l] = c;  // one block: ends[l] holds the count until the scan
     }
-    block_counts[l] = c;  // one block: ends[l] holds the count until the scan
+  } else {
+    warp_prefix(hist, block_counts, L, e_begin, e_end);
   }
   int dropped_total = 0;
   namespace cg = cooperative_groups;
@@ -446,20 +514,24 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   for (int j = 0; j < ITEMS; ++j) {
     const int x = c0 + (group0 + j) * 32 + lane;
     if (j < per_warp && x < c1) {
-      const int key = packed[j] >> 16;
+      const int l = kBits ? key[j] : key[j] >> 16;
       int row = -1;
-      if (key < L) {
+      if (l < L) {
         int within;  // the block's earlier picks of l
-        if (by_bits) {
-          const int u = token_of(x) - first_token;
-          const int i = (u >> 5) * L + key;
-          within = word_base[i] + __popc(bits[i] & ((1u << (u & 31)) - 1u));
+        if constexpr (kBits) {
+          if (by_bits) {
+            const int u = token_of(x) - first_token;
+            const int i = (u >> 5) * L + l;
+            within = word_base[i] + __popc(bits[i] & ((1u << (u & 31)) - 1u));
+          } else {
+            within = ballot_within.v[j];
+          }
         } else {
-          within = my_hist[key] + (packed[j] & 0xffff);
+          within = my_hist[l] + (key[j] & 0xffff);
         }
-        row = base[key] + within;
+        row = base[l] + within;
         if constexpr (kCluster) {
-          const int s = lstart[key] + within;
+          const int s = lstart[l] + within;
           stage_x[s] = x;
           stage_row[s] = row;
         } else if (row >= r0 && row < r1) {

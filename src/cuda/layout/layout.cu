@@ -208,11 +208,12 @@ bool ballots_forced() {
 }
 
 // LayoutParams::rank_words for the one-block kernel with ITEMS > 1 (the one that ranks by bitmaps):
-// one bitmap word per 32 tokens, or 0 (ballots) where the bitmaps do not fit beside the rest of its
-// shared memory.
+// one bitmap word per 32 tokens (to whole kRankWordsBatch), or 0 (ballots) where the bitmaps do not
+// fit beside the rest of its shared memory.
 int rank_words(const LayoutParams& p) {
   if (ballots_forced()) return 0;
-  const int words = static_cast<int>(ceil_div(p.num_tokens, 32));
+  constexpr int kBatch = layout_detail::kRankWordsBatch;
+  const int words = static_cast<int>(ceil_div(ceil_div(p.num_tokens, 32), kBatch) * kBatch);
   return layout_detail::one_launch_smem_bytes(p.num_local, false, 0, words) <= layout_detail::kOneMaxSmem ? words
                                                                                                           : 0;
 }

@@ -83,7 +83,8 @@ struct LayoutParams {
   int picks_per_block = 0;
   int locals_per_block = 0;
   // One-block kernel with ITEMS > 1: words per local expert of the token bitmaps that rank the
-  // picks (one per 32 tokens), or 0 to rank by ballots (one_launch_layout_kernel.cuh).
+  // picks (one per 32 tokens, to whole kRankWordsBatch), or 0 to rank by ballots
+  // (one_launch_layout_kernel.cuh).
   int rank_words = 0;
   // Large path only: B chunks of `chunk_picks` picks; hist [B][L] and dropped [B] in workspace.
   int num_chunks = 0;

@@ -523,11 +523,13 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       if (l < L) {
         int within;  // the block's earlier picks of l
         if constexpr (kBits) {
-          // Read also after the ballot fallback (in bounds, then unused): a select, no branch.
-          const int u = token_of(x) - first_token;
-          const int i = (u >> 5) * L + l;
-          const int from_bits = word_base[i] + __popc(bits[i] & ((1u << (u & 31)) - 1u));
-          within = by_bits ? from_bits : ballot_within.v[j];
+          if (by_bits) {  // (not a select: with rank_words = 0 these reads would be out of bounds)
+            const int u = token_of(x) - first_token;
+            const int i = (u >> 5) * L + l;
+            within = word_base[i] + __popc(bits[i] & ((1u << (u & 31)) - 1u));
+          } else {
+            within = ballot_within.v[j];
+          }
         } else {
           within = my_hist[l] + (key[j] & 0xffff);
         }

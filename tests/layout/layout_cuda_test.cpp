@@ -96,7 +96,9 @@ std::string describe(const Case& c) {
       break;
   }
   os << " invalid=" << c.invalid << " duplicates="
-     << (c.duplicates == Duplicates::kNone ? "none" : c.duplicates == Duplicates::kMany ? "many" : "last");
+     << (c.duplicates == Duplicates::kNone   ? "none"
+         : c.duplicates == Duplicates::kMany ? "many"
+                                             : "last");
   return os.str();
 }
 
@@ -584,9 +586,9 @@ TEST(LayoutCuda, DuplicatePicksInAToken) {
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
-  const std::pair<std::int64_t, int> shapes[] = {{1, 8},    {5, 2},      {64, 8},    {511, 8},  {3001, 10},
-                                                 {4096, 8}, {8191, 8},   {6553, 10}, {2047, 16}, {333, 32},
-                                                 {20000, 4}, {65536, 8}};
+  const std::pair<std::int64_t, int> shapes[] = {{1, 8},     {5, 2},    {64, 8},    {511, 8},
+                                                 {3001, 10}, {4096, 8}, {8191, 8},  {6553, 10},
+                                                 {2047, 16}, {333, 32}, {20000, 4}, {65536, 8}};
   for (const auto& [T, K] : shapes) {
     for (const Duplicates d : {Duplicates::kMany, Duplicates::kLastToken}) {
       for (const int E : {256, 61}) {

@@ -214,12 +214,14 @@ int rank_words(const LayoutParams& p) {
   if (ballots_forced()) return 0;
   constexpr int kBatch = layout_detail::kRankWordsBatch;
   const int words = static_cast<int>(ceil_div(ceil_div(p.num_tokens, 32), kBatch) * kBatch);
-  return layout_detail::one_launch_smem_bytes(p.num_local, false, 0, words) <= layout_detail::kOneMaxSmem ? words
-                                                                                                          : 0;
+  return layout_detail::one_launch_smem_bytes(p.num_local, false, 0, words) <= layout_detail::kOneMaxSmem
+             ? words
+             : 0;
 }
 
 std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
-  return layout_detail::one_launch_smem_bytes(p.num_local, true, layout_detail::cluster_chunk(p.num_picks, blocks));
+  return layout_detail::one_launch_smem_bytes(p.num_local, true,
+                                              layout_detail::cluster_chunk(p.num_picks, blocks));
 }
 
 bool one_block_fits(const LayoutParams& p) {

@@ -225,8 +225,8 @@ struct PickInts {
 // bitmap kernels were ~0.15 us slower at every T on the H200, though the bitmap path ran the same
 // instructions (E=256 K=8 T = 1 / 256: 2.38 / 3.95 us, against 2.25 / 3.84 with it compiled out).
 template <int ITEMS, int KB>
-__device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> keys, int* hist, int* block_counts,
-                                                        int L, int per_warp, int groups) {
+__device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> keys, int* hist,
+                                                        int* block_counts, int L, int per_warp, int groups) {
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   zero_words(hist, kOneWarps * L);
@@ -263,16 +263,16 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   // elsewhere.
   constexpr bool kBits = !kCluster && ITEMS > 1;
   const int W = kBits ? p.rank_words : 0;
-  int* hist = dyn;                                 // [kOneWarps][L] (ballot ranking)
+  int* hist = dyn;                                    // [kOneWarps][L] (ballot ranking)
   unsigned* bits = reinterpret_cast<unsigned*>(dyn);  // [W][L] (bitmap ranking)
-  int* word_base = dyn + W * L;                    // [W][L] (bitmap ranking)
-  int* offs = dyn + rank_region_words(L, W);       // [L + 1]
-  int* ends = offs + L + 1;                        // [L]
-  int* long_runs = ends + L;                       // [L]
-  int* base = kCluster ? long_runs + L : offs;     // [L]
-  int* block_counts = kCluster ? base + L : ends;  // [L + 1] (cluster form only)
-  int* lstart = block_counts + L + 1;              // [L] (cluster form only)
-  int* stage_x = lstart + L;                       // [chunk] (cluster form only)
+  int* word_base = dyn + W * L;                       // [W][L] (bitmap ranking)
+  int* offs = dyn + rank_region_words(L, W);          // [L + 1]
+  int* ends = offs + L + 1;                           // [L]
+  int* long_runs = ends + L;                          // [L]
+  int* base = kCluster ? long_runs + L : offs;        // [L]
+  int* block_counts = kCluster ? base + L : ends;     // [L + 1] (cluster form only)
+  int* lstart = block_counts + L + 1;                 // [L] (cluster form only)
+  int* stage_x = lstart + L;                          // [chunk] (cluster form only)
 
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
   zero_words(dyn, kBits ? W * L : kOneWarps * L);  // bitmaps or hist (rank_by_ballots zeroes its own)
@@ -337,9 +337,11 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   PickInts<ITEMS> keys;
   int* key = keys.v;
 #pragma unroll
-  for (int j = 0; j < ITEMS; ++j) key[j] = local_key(static_cast<long long>(raw[j]), p, dropped) << (kBits ? 0 : 16);
+  for (int j = 0; j < ITEMS; ++j)
+    key[j] = local_key(static_cast<long long>(raw[j]), p, dropped) << (kBits ? 0 : 16);
   __syncthreads();  // ranking region zeroed
-  const auto add_dropped = [&] {  // before the barrier that ends the ranking
+  // The block's dropped count, before the barrier that ends the ranking.
+  const auto add_dropped = [&] {
     dropped = __reduce_add_sync(0xffffffffu, dropped);
     if (lane == 0 && dropped != 0) atomicAdd(&sh.dropped, dropped);  // a sum: order does not matter
   };
@@ -351,8 +353,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   //    (and the ranks) do not depend on timing. A bit that was already set is such a duplicate (ids
   //    are data: nothing forbids them); a block that finds one ranks by ballots instead
   //    (rank_by_ballots), as do the blocks whose bitmaps do not fit (rank_words = 0). Measured on
-  //    the H200 (E=256 K=8 M=128, us, against ballots): T = 128 / 256 2.95 / 3.99 (3.00 / 4.24),
-  //    E=512 K=10 3.49 / 4.35 (3.98 / 4.89). At N <= 512 (ITEMS = 1) bitmaps were no faster, and
+  //    the H200 (E=256 K=8 M=128, us, against ballots): T = 128 / 256 2.73 / 3.48 (3.00 / 4.24),
+  //    E=512 K=10 3.22 / 3.98 (3.87 / 4.89). At N <= 512 (ITEMS = 1) bitmaps were no faster, and
   //    in the cluster form they saved nothing either (T = 4096 8.21 against 8.08): those rank by
   //    ballots, whose code they inline.
   //    Ballots: warp_ballot_ranks and warp_prefix.

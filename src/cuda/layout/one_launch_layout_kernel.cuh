@@ -35,10 +35,11 @@
 //    than the 3-launch pipeline past ~12k picks. Blocks exit only after every block has read
 //    their counts (second cluster barrier, split arrive/wait).
 //
-// Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 3.2 / 3.2 / 4.0 / 5.0 us at
-// T = 1 / 16 / 128 / 256; 8-block cluster (before the staged writes) 7.2 us at T = 1024. Under ncu
-// both are latency/issue bound (IPC 1.2-1.7 with 16 warps per SM, ~1000 instructions per warp at
-// T = 256, a third of them the 32-pick ranking rounds).
+// Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 2.2 / 2.2 / 2.7 / 3.5 us at
+// T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.7 /
+// 8.1 us at T = 1024 / 4096. Both are latency/issue bound (ncu, session 3: IPC 1.2-1.7 with 16
+// warps per SM; then ~1000 instructions per warp at T = 256, a third of them ballot ranking rounds,
+// which the bitmaps replaced there).
 //
 // Deterministic: the atomics add up the dropped count (a sum, order-free) and OR bits into the
 // bitmaps (order-free); ballot ranks come from ballots within 32 picks (match_key) and per-warp

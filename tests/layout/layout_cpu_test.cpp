@@ -51,7 +51,8 @@ struct LayoutCase {
   int count = -1;  // range and map forms: L
   int stride = 1;  // range form
   int M = 1;
-  bool invalid = false;  // mix ids outside [0, E) and -1 into the picks
+  bool invalid = false;     // mix ids outside [0, E) and -1 into the picks
+  bool duplicates = false;  // some tokens repeat an expert in a later slot
 };
 
 const char* skew_name(Skew s) {
@@ -81,7 +82,7 @@ std::string describe(const LayoutCase& c) {
       os << "map(L=" << c.count << ")";
       break;
   }
-  os << " M=" << c.M << " invalid=" << c.invalid;
+  os << " M=" << c.M << " invalid=" << c.invalid << " duplicates=" << c.duplicates;
   return os.str();
 }
 
@@ -168,6 +169,15 @@ LayoutInputs make_inputs(const LayoutCase& c, std::uint64_t seed) {
   const double work = static_cast<double>(c.T) * c.K * c.E;
   in.ids = work <= 2e5 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
                        : fast_random_ids(c.T, c.K, c.E, c.skew, seed, hot);
+  if (c.duplicates && c.K > 1) {
+    // About a third of the tokens: slot k repeats one of the token's slots before k (ids are
+    // data; nothing forbids two picks of one expert in a token, and each is placed).
+    for (std::int64_t t = 0; t < c.T; ++t) {
+      if (g() % 3 != 0) continue;
+      const int k = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(c.K - 1));
+      in.ids[t * c.K + k] = in.ids[t * c.K + static_cast<int>(g() % static_cast<std::uint64_t>(k))];
+    }
+  }
   if (c.invalid) {
     std::vector<std::int64_t> bad = {-1,
                                      -1,
@@ -507,6 +517,31 @@ TEST(LayoutCpu, HandWorkedExample) {
   expect_array("tile_expert", buf.tile_expert, {0, 2, 2, -1, -1});
   expect_array("tile_row_end", buf.tile_row_end, {1, 4, 5, 6, 8});
   expect_array("totals", buf.totals, {6, 3, 1});
+}
+
+// Tokens with two (or more) picks of one expert: each pick is placed, in x order (the GPU tests
+// use this backend as their oracle for such inputs).
+TEST(LayoutCpu, DuplicatePicksInAToken) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  for (const std::int64_t T : {1, 7, 64, 333, 4097}) {
+    for (const auto& [E, K] : {std::pair<int, int>{8, 2}, {61, 8}, {256, 8}, {512, 10}, {64, 32}}) {
+      LayoutCase c;
+      c.T = T;
+      c.E = E;
+      c.K = K;
+      c.M = kMs[g() % std::size(kMs)];
+      c.skew = kSkews[g() % 3];
+      c.ids64 = g() % 2 == 1;
+      c.local = static_cast<LocalKind>(g() % 3);
+      c.invalid = g() % 2 == 1;
+      c.duplicates = true;
+      pick_local(c, g, g() % 2 == 0 ? 1 : 3);
+      check_case(c, g());
+      if (HasFatalFailure()) return;
+    }
+  }
 }
 
 TEST(LayoutCpu, InvalidIdsAreDroppedAndCounted) {

@@ -82,6 +82,19 @@ inline std::vector<std::int64_t> random_ids(std::int64_t T, int K, int E, Skew s
   return ids;
 }
 
+// Gives some tokens of ids [T,K] two picks of one expert (ids are data: nothing forbids that, and
+// each pick is placed): in each token t >= first_token, kept with probability 1 / every, a drawn
+// slot k in [1, K) repeats one of the token's slots before k.
+inline void repeat_slots(std::vector<std::int64_t>& ids, std::int64_t T, int K, std::mt19937_64& g,
+                         std::int64_t first_token, int every) {
+  if (K < 2) return;
+  for (std::int64_t t = first_token; t < T; ++t) {
+    if (every > 1 && g() % static_cast<std::uint64_t>(every) != 0) continue;
+    const int k = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(K - 1));
+    ids[t * K + k] = ids[t * K + static_cast<int>(g() % static_cast<std::uint64_t>(k))];
+  }
+}
+
 inline std::uint16_t bf16_bits(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, 4);

@@ -169,15 +169,7 @@ LayoutInputs make_inputs(const LayoutCase& c, std::uint64_t seed) {
   const double work = static_cast<double>(c.T) * c.K * c.E;
   in.ids = work <= 2e5 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
                        : fast_random_ids(c.T, c.K, c.E, c.skew, seed, hot);
-  if (c.duplicates && c.K > 1) {
-    // About a third of the tokens: slot k repeats one of the token's slots before k (ids are
-    // data; nothing forbids two picks of one expert in a token, and each is placed).
-    for (std::int64_t t = 0; t < c.T; ++t) {
-      if (g() % 3 != 0) continue;
-      const int k = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(c.K - 1));
-      in.ids[t * c.K + k] = in.ids[t * c.K + static_cast<int>(g() % static_cast<std::uint64_t>(k))];
-    }
-  }
+  if (c.duplicates) sy_test::repeat_slots(in.ids, c.T, c.K, g, 0, 3);  // about a third of the tokens
   if (c.invalid) {
     std::vector<std::int64_t> bad = {-1,
                                      -1,

@@ -177,15 +177,8 @@ Inputs make_inputs(const Case& c, std::uint64_t seed) {
   }
   in.ids = static_cast<double>(c.T) * c.K * c.E <= 2e6 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
                                                        : fast_ids(c.T, c.K, c.E, c.skew, seed, hot);
-  if (c.duplicates != Duplicates::kNone && c.K > 1) {
-    // Slot k of a token repeats one of the token's slots before k.
-    const std::int64_t first = c.duplicates == Duplicates::kMany ? 0 : c.T - 1;
-    for (std::int64_t t = first; t < c.T; ++t) {
-      if (c.duplicates == Duplicates::kMany && g() % 3 != 0) continue;
-      const int k = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(c.K - 1));
-      in.ids[t * c.K + k] = in.ids[t * c.K + static_cast<int>(g() % static_cast<std::uint64_t>(k))];
-    }
-  }
+  if (c.duplicates == Duplicates::kMany) sy_test::repeat_slots(in.ids, c.T, c.K, g, 0, 3);
+  if (c.duplicates == Duplicates::kLastToken) sy_test::repeat_slots(in.ids, c.T, c.K, g, c.T - 1, 1);
   if (c.invalid) {
     std::vector<std::int64_t> bad = {-1,
                                      -1,

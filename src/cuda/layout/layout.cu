@@ -301,7 +301,7 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
 
 template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
-  LayoutParams p = with_block_slices(params, CB);
+  const LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
   const std::size_t smem = cluster_smem_bytes(p, CB);
   return with_key_bits(p, [&](auto kb) {

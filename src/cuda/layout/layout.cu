@@ -200,28 +200,42 @@ Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
       layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
-// SWITCHYARD_LAYOUT_RANK=ballots (environment, read per call) makes the one-block kernel rank by
-// ballots where it would use bitmaps: a testing and tuning knob.
+// SWITCHYARD_LAYOUT_RANK=ballots (environment, read per call) makes the one-launch kernels rank by
+// ballots where they would use bitmaps: a testing and tuning knob.
 bool ballots_forced() {
   const char* v = std::getenv("SWITCHYARD_LAYOUT_RANK");
   return v != nullptr && std::string(v) == "ballots";
 }
 
-// LayoutParams::rank_words for the one-block kernel with ITEMS > 1 (the one that ranks by bitmaps):
-// one bitmap word per 32 tokens (to whole kRankWordsBatch), or 0 (ballots) where the bitmaps do not
-// fit beside the rest of its shared memory.
-int rank_words(const LayoutParams& p) {
-  if (ballots_forced()) return 0;
+// LayoutParams::rank_words for a one-launch kernel whose blocks rank `picks` consecutive picks (N,
+// or the cluster chunk): one bitmap word per 32 tokens those picks can span (to whole
+// kRankWordsBatch), or 0 (ballots) at 512 picks or fewer (ITEMS = 1, where bitmaps were no faster)
+// and where the bitmaps do not fit beside the rest of the shared memory.
+int rank_words(const LayoutParams& p, bool cluster, int picks) {
+  if (ballots_forced() || picks <= layout_detail::kOneThreads) return 0;
+  // A run of `picks` picks spans at most (picks - 1) / K + 2 tokens (its ends may cut two).
+  const long long tokens = std::min<long long>(p.num_tokens, (picks - 1) / p.top_k + 2);
   constexpr int kBatch = layout_detail::kRankWordsBatch;
-  const int words = static_cast<int>(ceil_div(ceil_div(p.num_tokens, 32), kBatch) * kBatch);
-  return layout_detail::one_launch_smem_bytes(p.num_local, false, 0, words) <= layout_detail::kOneMaxSmem
+  const int words = static_cast<int>(ceil_div(ceil_div(tokens, 32), kBatch) * kBatch);
+  const int chunk = cluster ? picks : 0;
+  return layout_detail::one_launch_smem_bytes(p.num_local, cluster, chunk, words) <=
+                 layout_detail::kOneMaxSmem
              ? words
              : 0;
 }
 
+// The cluster form's shared memory, with the bitmaps where it uses them.
 std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
-  return layout_detail::one_launch_smem_bytes(p.num_local, true,
-                                              layout_detail::cluster_chunk(p.num_picks, blocks));
+  const int chunk = layout_detail::cluster_chunk(p.num_picks, blocks);
+  return layout_detail::one_launch_smem_bytes(p.num_local, true, chunk, rank_words(p, true, chunk));
+}
+
+// Calls f(std::bool_constant<B>{}) with B = (rank_words > 0): the kernels that rank by bitmaps, or
+// the ones without that code (its mere presence cost ~0.15 us per call on the H200).
+template <typename F>
+Status with_bitmaps(const LayoutParams& p, F&& f) {
+  if (p.rank_words > 0) return f(std::true_type{});
+  return f(std::false_type{});
 }
 
 bool one_block_fits(const LayoutParams& p) {
@@ -259,12 +273,15 @@ Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) 
   const long long rows = std::max<long long>(params.capacity_rows, params.num_picks);
   const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
   LayoutParams p = with_block_slices(params, blocks);
-  p.rank_words = ITEMS > 1 ? rank_words(p) : 0;
+  p.rank_words = rank_words(p, false, p.num_picks);
   const std::size_t smem = layout_detail::one_launch_smem_bytes(p.num_local, false, 0, p.rank_words);
   return with_key_bits(p, [&](auto kb) {
-    return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id>>(
-        "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
-        dim3(layout_detail::kOneThreads), smem, stream, p);
+    return with_bitmaps(p, [&](auto bits) {
+      constexpr bool kBits = ITEMS > 1 && decltype(bits)::value;  // (ITEMS = 1: one kernel)
+      return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id, kBits>>(
+          "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
+          dim3(layout_detail::kOneThreads), smem, stream, p);
+    });
   });
 }
 
@@ -301,20 +318,24 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
 
 template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
-  const LayoutParams p = with_block_slices(params, CB);
+  LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
+  p.rank_words = rank_words(p, true, chunk);
   const std::size_t smem = cluster_smem_bytes(p, CB);
   return with_key_bits(p, [&](auto kb) {
-    constexpr int KB = decltype(kb)::value;
-    using layout_detail::cluster_layout_kernel;
-    constexpr int kThreads = layout_detail::kOneThreads;
-    if (chunk <= kThreads * 1)
-      return launch_cluster_kernel<cluster_layout_kernel<1, CB, KB, Id>, CB>(p, smem, stream);
-    if (chunk <= kThreads * 2)
-      return launch_cluster_kernel<cluster_layout_kernel<2, CB, KB, Id>, CB>(p, smem, stream);
-    if (chunk <= kThreads * 4)
-      return launch_cluster_kernel<cluster_layout_kernel<4, CB, KB, Id>, CB>(p, smem, stream);
-    return launch_cluster_kernel<cluster_layout_kernel<8, CB, KB, Id>, CB>(p, smem, stream);
+    return with_bitmaps(p, [&](auto bits) {
+      constexpr int KB = decltype(kb)::value;
+      constexpr bool kBits = decltype(bits)::value;
+      using layout_detail::cluster_layout_kernel;
+      constexpr int kThreads = layout_detail::kOneThreads;
+      if (chunk <= kThreads * 1)
+        return launch_cluster_kernel<cluster_layout_kernel<1, CB, KB, Id, false>, CB>(p, smem, stream);
+      if (chunk <= kThreads * 2)
+        return launch_cluster_kernel<cluster_layout_kernel<2, CB, KB, Id, kBits>, CB>(p, smem, stream);
+      if (chunk <= kThreads * 4)
+        return launch_cluster_kernel<cluster_layout_kernel<4, CB, KB, Id, kBits>, CB>(p, smem, stream);
+      return launch_cluster_kernel<cluster_layout_kernel<8, CB, KB, Id, kBits>, CB>(p, smem, stream);
+    });
   });
 }
 
@@ -323,7 +344,8 @@ Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
 // GPC). Any error reads as "no".
 template <typename Id>
 bool cluster16_schedulable(std::size_t smem) {
-  constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id>;
+  constexpr auto kKernel =
+      layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id, false>;
   static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;

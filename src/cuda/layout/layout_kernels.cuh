@@ -82,7 +82,7 @@ struct LayoutParams {
   int tiles_per_block = 0;
   int picks_per_block = 0;
   int locals_per_block = 0;
-  // One-block kernel with ITEMS > 1: words per local expert of the token bitmaps that rank the
+  // One-launch kernels with ITEMS > 1: words per local expert of the token bitmaps that rank the
   // picks (one per 32 tokens, to whole kRankWordsBatch), or 0 to rank by ballots
   // (one_launch_layout_kernel.cuh).
   int rank_words = 0;

@@ -1,7 +1,7 @@
 // One-launch layout for small and medium N = T*K (DESIGN.md section 3): a stable counting sort
-// with ranks from per-expert token bitmaps (one-block form, N > 512) or from per-warp ballots
-// (match_key below; the other kernels, and the bitmaps' fallback), shaped so that the critical
-// path after pdl_wait() is short: ids -> ranks -> counts -> one scan -> writes, with no per-expert
+// with ranks from per-expert token bitmaps (blocks of more than 512 picks whose bitmaps fit) or
+// from per-warp ballots (match_key below; the other kernels, and the bitmaps' fallback), shaped so that the
+// critical path after pdl_wait() is short: ids -> ranks -> counts -> one scan -> writes, with no per-expert
 // fill pass behind the scan.
 //
 //  * One-block form: rows and tiles that are not real rows/tiles are written FIRST, right after
@@ -36,10 +36,10 @@
 //    their counts (second cluster barrier, split arrive/wait).
 //
 // Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 2.2 / 2.2 / 2.7 / 3.5 us at
-// T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.7 /
-// 8.1 us at T = 1024 / 4096. Both are latency/issue bound (ncu, session 3: IPC 1.2-1.7 with 16
-// warps per SM; then ~1000 instructions per warp at T = 256, a third of them ballot ranking rounds,
-// which the bitmaps replaced there).
+// T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.6 /
+// 7.5 / 9.9 us at T = 1024 / 4096 / 8192 (session 8). Both are latency/issue bound (ncu, session 3:
+// IPC 1.2-1.7 with 16 warps per SM; then ~1000 instructions per warp at T = 256, a third of them ballot
+// ranking rounds, which the bitmaps replaced there).
 //
 // Deterministic: the atomics add up the dropped count (a sum, order-free) and OR bits into the
 // bitmaps (order-free); ballot ranks come from ballots within 32 picks (match_key) and per-warp
@@ -251,7 +251,7 @@ __device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> ke
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
 // cluster of CB blocks).
-template <int ITEMS, int CB, int KB, typename Id>
+template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps>
 __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
   constexpr bool kCluster = CB > 0;
   const int L = p.num_local;
@@ -260,9 +260,9 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int block = static_cast<int>(blockIdx.x);
-  // Bitmap ranking in the one-block form with more than 512 picks (see 1. below); rank_words is 0
-  // elsewhere.
-  constexpr bool kBits = !kCluster && ITEMS > 1;
+  // Bitmap ranking (see 1. below) where the launcher chose it (rank_words > 0): blocks of more than
+  // 512 picks whose bitmaps fit.
+  constexpr bool kBits = kBitmaps && ITEMS > 1;
   const int W = kBits ? p.rank_words : 0;
   int* hist = dyn;                                    // [kOneWarps][L] (ballot ranking)
   unsigned* bits = reinterpret_cast<unsigned*>(dyn);  // [W][L] (bitmap ranking)
@@ -353,11 +353,12 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   //    rank in x order when no token has two picks of one expert. OR is order-free, so the bitmaps
   //    (and the ranks) do not depend on timing. A bit that was already set is such a duplicate (ids
   //    are data: nothing forbids them); a block that finds one ranks by ballots instead
-  //    (rank_by_ballots), as do the blocks whose bitmaps do not fit (rank_words = 0). Measured on
-  //    the H200 (E=256 K=8 M=128, us, against ballots): T = 128 / 256 2.73 / 3.48 (3.00 / 4.24),
-  //    E=512 K=10 3.22 / 3.98 (3.87 / 4.89). At N <= 512 (ITEMS = 1) bitmaps were no faster, and
-  //    in the cluster form they saved nothing either (T = 4096 8.21 against 8.08): those rank by
-  //    ballots, whose code they inline.
+  //    (rank_by_ballots). Measured on the H200 (E=256 K=8 M=128, us, against ballots): one-block
+  //    T = 128 / 256 2.73 / 3.48 (3.00 / 4.24), E=512 K=10 3.22 / 3.98 (3.87 / 4.89); cluster form
+  //    T = 4096 / 8192 7.45 / 9.87 (8.12 / 11.35), E=512 K=10 T = 1024 / 4096 8.10 / 10.68 (8.43 /
+  //    11.13). At N <= 512 (ITEMS = 1) bitmaps were no faster: that kernel ranks by ballots, whose
+  //    code it inlines, as do the kernels the launcher picks where the bitmaps do not fit (a
+  //    bitmap kernel with the ballots out of line was 13-17% slower there, T = 128 / 256).
   //    Ballots: warp_ballot_ranks and warp_prefix.
   int* my_hist = hist + warp * L;
   PickInts<ITEMS> ballot_within{};  // bitmap kernels' ballot fallback
@@ -598,19 +599,19 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   if constexpr (kCluster) __cluster_barrier_wait();  // our shared memory may go now
 }
 
-template <int ITEMS, int KB, typename Id>
+template <int ITEMS, int KB, typename Id, bool kBitmaps>
 __global__ void __launch_bounds__(kOneThreads, 1) one_block_layout_kernel(const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
-  one_launch_layout<ITEMS, 0, KB, Id>(p, sh, one_dyn);
+  one_launch_layout<ITEMS, 0, KB, Id, kBitmaps>(p, sh, one_dyn);
 }
 
 // Launched as one cluster of CB blocks (the cluster dimension is a launch attribute, see layout.cu).
-template <int ITEMS, int CB, int KB, typename Id>
+template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps>
 __global__ void __launch_bounds__(kOneThreads, 1) cluster_layout_kernel(const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
-  one_launch_layout<ITEMS, CB, KB, Id>(p, sh, one_dyn);
+  one_launch_layout<ITEMS, CB, KB, Id, kBitmaps>(p, sh, one_dyn);
 }
 
 }  // namespace switchyard::cuda::layout_detail

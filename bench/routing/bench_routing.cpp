@@ -1,7 +1,7 @@
 // Routing benchmark (issue 3; method in ../shared/BENCHMARKING.md): every preset of
 // switchyard::model_presets() plus the "softmax-e256-k8" configuration of the issue's E=256
 // target (softmax over E, top-8, renormalize: what vLLM's topk_softmax computes), at
-// T = 1, 16, 128, 1024, 4096, 16384, 65536, fp32 and bf16 logits. Per point: 20 calls captured
+// T = 1, 16, 128, 256, 1024, 4096, 16384, 65536, fp32 and bf16 logits. Per point: 20 calls captured
 // in a CUDA graph, 200 replays, median per call. Inputs are fresh random logits; when one set
 // fits in L2 (60 MB) the calls rotate over several sets so that most reads come from HBM.
 // Bytes = logits + bias + ids (int32) + weights (fp32); floor = bytes / measured copy bandwidth.
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
       "| config | logits | T | median us | p10 us | p90 us | bytes | GB/s | floor us | target us | met |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
 
-  const std::int64_t tokens[] = {1, 16, 128, 1024, 4096, 16384, 65536};
+  const std::int64_t tokens[] = {1, 16, 128, 256, 1024, 4096, 16384, 65536};
   const DType dtypes[] = {DType::kFloat32, DType::kBFloat16};
   const std::size_t kL2Bytes = 60u << 20;
   std::vector<std::string> points;

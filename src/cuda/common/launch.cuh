@@ -49,6 +49,15 @@ inline Status cuda_status(const char* what, cudaError_t err) {
                            ")");
 }
 
+// Streaming multiprocessors of the current device (`op` names the operation in an error).
+inline Status current_sm_count(const char* op, int* sms) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return cuda_status((std::string(op) + ": device query").c_str(), err);
+  return Status::Ok();
+}
+
 // Launches kernel<<<grid, block, smem_bytes, stream>>>(args...) through cudaLaunchKernelEx;
 // with `pdl`, programmatic stream serialization is allowed (see the contract above). `name`
 // prefixes the error message. No host synchronization; capturable in a CUDA graph.

@@ -43,11 +43,9 @@ int resident_blocks_per_sm(const void* kernel, int block_threads) {
 
 // Blocks of `block_threads` threads of a kernel that fit on the current device at once.
 Status max_resident_blocks(const char* op, const void* kernel, int block_threads, std::int64_t* blocks) {
-  int device = 0;
   int sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return cuda_status((std::string(op) + ": device query").c_str(), err);
+  const Status status = current_sm_count(op, &sms);
+  if (!status.ok()) return status;
   *blocks = static_cast<std::int64_t>(sms) * resident_blocks_per_sm(kernel, block_threads);
   return Status::Ok();
 }

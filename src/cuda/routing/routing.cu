@@ -111,11 +111,13 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
     }
     warps_per_block = static_cast<int>(std::min<std::size_t>(kWarpsPerBlock, fit));
   }
-  // With fewer warps than the SMs' 8-warp blocks could hold, smaller blocks spread the rows over
-  // more SMs, so that fewer rows share an SM's issue slots: a row's latency is the call's there.
-  // Measured on the H200 (fp32, us, 1-warp against 8-warp blocks): T = 16 deepseek-v3 3.10 / 3.30,
-  // kimi-k2 2.84 / 3.10, softmax-e256-k8 2.08 / 2.30; T = 128 3.44 / 3.70, 3.40 / 3.58, 2.63 / 2.81;
-  // T = 1024 (8 warps per SM either way) equal, or up to 20% slower with 1-warp blocks.
+  // Blocks of ceil(warps / SMs) warps: when the rows would not give every SM a full block, smaller
+  // blocks spread them over more SMs, so that fewer rows share an SM's issue slots (at small T a
+  // row's latency is the call's). Measured on the H200 (fp32, us, against 8-warp blocks, same
+  // call): T = 16 deepseek-v3 3.10 / 3.38, kimi-k2 2.93 / 3.10, qwen3-next 2.82 / 3.05; T = 128
+  // 3.50 / 3.75, 3.47 / 3.62, 3.40 / 3.56; T = 1 unchanged. With 132 SMs and whole-warp rows the
+  // rule gives 8-warp blocks from T = 925 on, as before (forced 1-warp blocks were equal or up to
+  // 20% slower at T = 1024).
   int sms = 0;
   const Status sm_status = current_sm_count("route", &sms);
   if (!sm_status.ok()) return sm_status;

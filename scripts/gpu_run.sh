@@ -2,6 +2,9 @@
 # Builds Switchyard on the lent GPU machine and runs the GPU tests, compute-sanitizer and the
 # benchmarks; everything lands in $OUT/results.tgz plus a summary on stdout.
 #   SRC=. STEPS=build,test,sanitize,bench,python COMMIT=<sha> bash scripts/gpu_run.sh
+# Give COMMIT as a literal sha taken on the machine that sends the tree: the lent machine's copy
+# of the repository can carry older git metadata than its files (session 8: a device build of
+# 0dc510f's tree read HEAD as 350cbbe), so `git rev-parse` there may name the wrong commit.
 # Steps: build, test (GPU + CPU ctest), python (pip install + pytest), pyfast (pytest on the
 # build step's extension, without a second compile of the kernels), cli (switchyard-bench after a
 # pip install), clifast (switchyard-bench on the build step's extension), bench, sanitize, demo.

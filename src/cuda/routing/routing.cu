@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
@@ -80,8 +81,22 @@ struct SpecTraits<SpecGeneric> {
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
 
+// Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
+// specialised kernels of 2 or 3 stripes (128 < E <= 384) past kEarlyBiasMaxTokens; 1 elsewhere.
+// Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
+// T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
+// kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
 template <class Shape, class SpecT>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) route_kernel(const RouteParams p0) {
+constexpr int route_min_blocks() {
+  return (Shape::W == 32 && Shape::S >= 2 && Shape::S <= 3 && !std::is_same_v<SpecT, SpecGeneric> &&
+          !SpecTraits<SpecT>::kEarlyBias)
+             ? 8
+             : 1;
+}
+
+template <class Shape, class SpecT>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT>())
+    route_kernel(const RouteParams p0) {
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   // Every later kernel only reads our outputs after its own pdl_wait(), which waits for this
   // whole grid: letting it be scheduled now is safe and hides its launch latency.

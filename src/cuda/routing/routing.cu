@@ -155,7 +155,10 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
 // else runs the generic kernel. Measured on the H200 against the generic kernel (fp32, us):
 // kimi-k2 2.76 / 62.5 at T = 1 / 65536 (was 3.16 / 72.2), qwen3-next 2.13 / 59.9 (2.44 / 69.7),
 // deepseek-v3 3.11 / 67.8 (3.60 / 79.5); but at T = 4096 those three got slower with fp32 logits
-// (8.97 / 8.91 / 9.19 against 7.72 / 8.08 / 8.57) while bf16 logits got faster; not understood.
+// (8.97 / 8.91 / 9.19 against 7.72 / 8.08 / 8.57) while bf16 logits got faster. For kimi-k2 and
+// deepseek-v3 the 32-register cap of route_min_blocks removed that (7.49 / 7.27 at T = 4096);
+// qwen3-next (4 stripes, 42-58 registers) still shows it (8.8 fp32 against 8.2 bf16). Why one
+// wave of 512 blocks depends so much on the register count is not understood.
 template <class Shape, class SpecT, class... Rest>
 Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
   if constexpr (sizeof...(Rest) == 0) {

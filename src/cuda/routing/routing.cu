@@ -82,7 +82,8 @@ struct SpecTraits<SpecGeneric> {
 };
 
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
-// specialised kernels of 2 or 3 stripes (128 < E <= 384) past kEarlyBiasMaxTokens; 1 elsewhere.
+// specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
+// sigmoid + bias ones past kEarlyBiasMaxTokens, the others at every T); 1 elsewhere.
 // Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
 // T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
 // kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.

@@ -321,7 +321,7 @@ Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
   LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
   p.rank_words = rank_words(p, true, chunk);
-  const std::size_t smem = cluster_smem_bytes(p, CB);
+  const std::size_t smem = layout_detail::one_launch_smem_bytes(p.num_local, true, chunk, p.rank_words);
   return with_key_bits(p, [&](auto kb) {
     return with_bitmaps(p, [&](auto bits) {
       constexpr int KB = decltype(kb)::value;

@@ -527,7 +527,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       if (l < L) {
         int within;  // the block's earlier picks of l
         if constexpr (kBits) {
-          if (by_bits) {  // (not a select: with rank_words = 0 these reads would be out of bounds)
+          if (by_bits) {  // (not a select: a block that met a duplicate has no bitmap ranks)
             const int u = token_of(x) - first_token;
             const int i = (u >> 5) * L + l;
             within = word_base[i] + __popc(bits[i] & ((1u << (u & 31)) - 1u));

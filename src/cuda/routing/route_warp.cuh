@@ -494,19 +494,24 @@ __device__ __forceinline__ void buffer_pop(std::uint32_t (&bk)[D], int (&bb)[D])
 
 // Refills a lane's buffer (and `next`) with its D best candidates that rank after (k, e) in
 // (key desc, expert asc) order, the lane's value j being expert value_base(j) + lane_offset.
-template <class Shape>
-__device__ __forceinline__ void buffer_refill_after(const std::uint32_t (&key)[Shape::kValues],
-                                                    std::uint32_t (&bk)[Shape::D], int (&bb)[Shape::D],
-                                                    std::uint32_t& next, std::uint32_t k, int e,
-                                                    int lane_offset) {
+// stripe_keys(i, out) gives the keys of the lane's values 4i .. 4i+3 (stripe i).
+template <class Shape, class StripeKeys>
+__device__ __forceinline__ void buffer_refill_after(const StripeKeys& stripe_keys, std::uint32_t (&bk)[Shape::D],
+                                                    int (&bb)[Shape::D], std::uint32_t& next, std::uint32_t k,
+                                                    int e, int lane_offset) {
 #pragma unroll
   for (int d = 0; d < Shape::D; ++d) bk[d] = 0u;
   next = 0u;
 #pragma unroll
-  for (int j = 0; j < Shape::kValues; ++j) {
-    const int base = value_base<Shape>(j);
-    const bool after = key[j] < k || (key[j] == k && base + lane_offset > e);
-    buffer_insert<Shape::D>(bk, bb, next, after ? key[j] : 0u, base);
+  for (int i = 0; i < Shape::S; ++i) {
+    std::uint32_t key[4];
+    stripe_keys(i, key);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int base = value_base<Shape>(4 * i + c);
+      const bool after = key[c] < k || (key[c] == k && base + lane_offset > e);
+      buffer_insert<Shape::D>(bk, bb, next, after ? key[c] : 0u, base);
+    }
   }
 }
 
@@ -817,6 +822,227 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
   __syncwarp();
 }
 
+// Step 5 of route_warp (see the file comment): the top-K of a row from the lanes' candidate
+// buffers (bk, bb, next: a lane's D best candidates, sorted, and the largest key it holds outside
+// them; see buffer_insert) into pick_key / pick_e (pick k in lane k % W of the segment, slot
+// k / W). Fast pass: K rounds in which a lane whose buffer ran dry shows key 0. Exact unless a dry
+// lane holds a key outside its buffer (`next`) that could rank at or above the last pick; then
+// the exact rounds (ghosts and rescans) redo the rounds from the first pick that is not certainly
+// right. refill(bk, bb, next, k, e, lane_offset) refills a lane's buffer with its D best
+// candidates ranking after (k, e), as buffer_refill_after does; only the exact rounds call it.
+template <class Shape, class Refill>
+__device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint32_t (&bk)[Shape::D],
+                                             int (&bb)[Shape::D], std::uint32_t& next,
+                                             std::uint32_t (&pick_key)[Shape::kSlots],
+                                             int (&pick_e)[Shape::kSlots], const Refill& refill) {
+  constexpr int W = Shape::W, D = Shape::D, V = Shape::kValues, SL = Shape::kSlots;
+#pragma unroll
+  for (int s = 0; s < SL; ++s) {
+    pick_key[s] = 0u;
+    pick_e[s] = 0;
+  }
+  constexpr int kMaxK = SL * W;  // >= K (see kSlots)
+  std::uint32_t last_mk = 0u;    // the key of pick K - 1
+#pragma unroll
+  for (int r = 0; r < kMaxK; ++r) {
+    if (r >= K) break;  // uniform
+    const std::uint32_t head = bk[0];
+    const std::uint32_t mk = segment_max<W>(head);
+    const unsigned my_e = static_cast<unsigned>(bb[0] + lane4);
+    const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
+    // A lane's experts are its own, so at most one lane of the segment has my_e == we (a dry
+    // lane's stale bb[0] is an expert it already gave away).
+    const bool won = head == mk && my_e == we;
+    if (sl == r % W) {  // pick r lives in lane r % W, slot r / W (compile-time)
+      pick_key[r / W] = mk;
+      pick_e[r / W] = static_cast<int>(we);
+    }
+    if (won) buffer_pop<D>(bk, bb);
+    last_mk = mk;
+  }
+  // Check. Picks come in rank order and their keys do not increase. A dry lane (bk[0] == 0)
+  // still holds keys <= next outside its buffer; a lane that is not dry shows its true best
+  // remaining candidate (everything outside its buffer ranks after it). If every dry lane has
+  // next < last_mk, no candidate hidden in a dry lane ranks above pick K - 1, so every round
+  // took the true best remaining candidate: the picks are the oracle's. Otherwise (hm >= last_mk
+  // below, equality included since `next` carries no expert index) the picks with key > hm are
+  // still exact (they rank above every hidden candidate), and the exact rounds resume after them.
+  // With D >= V a lane's buffer holds all its candidates (nothing is ever hidden; every row has at
+  // least K candidates of key > 0, so last_mk > 0): the fast pass is exact and the check goes.
+  const std::uint32_t hm = D >= V ? 0u : segment_max<W>(bk[0] == 0u ? next : 0u);
+  if (D < V && __any_sync(kFullMask, hm >= last_mk)) {
+    // First round whose key is <= hm, over the whole warp (K for rows that passed).
+    int first = K;
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {
+      const int k = s * W + sl;
+      if (k < K && pick_key[s] <= hm) first = min(first, k);
+    }
+    const int r0 = static_cast<int>(__reduce_min_sync(kFullMask, static_cast<unsigned>(first)));
+    // Picks 0 .. r0 - 1 are the row's true top r0, i.e. every candidate that ranks at or above
+    // pick r0 - 1 (pk, pe). So each lane's remaining candidates are those ranking after it (all
+    // of them when r0 == 0): refill the buffers with the D best of those.
+    std::uint32_t pk = 0xffffffffu;  // above every key: "after" holds for every value
+    int pe = -1;
+    if (r0 > 0) {  // uniform
+      const int src = (r0 - 1) % W, slot = (r0 - 1) / W;
+#pragma unroll
+      for (int s = 0; s < SL; ++s) {  // s compile-time: the pick arrays stay in registers
+        const std::uint32_t ks = __shfl_sync(kFullMask, pick_key[s], src, W);
+        const int es = __shfl_sync(kFullMask, pick_e[s], src, W);
+        if (s == slot) {
+          pk = ks;
+          pe = es;
+        }
+      }
+    }
+    refill(bk, bb, next, pk, pe, lane4);
+    std::uint32_t gk = 0u;
+    int gb = 0;
+    // Exact rounds: a lane whose buffer runs dry shows `next` (the largest key it has left, see
+    // buffer_insert) as its head and claims the lowest expert index for it: a "ghost" that
+    // wins a round only when the lane may really hold the round's pick. Then the lane rescans
+    // its values for the next D candidates after its last pop (gk, gb) and the round is redone.
+    int ghost = 0;  // a full register: a bool here was packed into a byte (PRMT) every round
+    for (int r = r0; r < K;) {
+      const std::uint32_t head = bk[0];
+      const std::uint32_t mk = segment_max<W>(head);
+      const unsigned my_e = ghost != 0 ? 0u : static_cast<unsigned>(bb[0] + lane4);
+      const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
+      const bool won = head == mk && my_e == we;
+      const bool rescan = won && ghost != 0;
+      if (__any_sync(kFullMask, rescan)) {
+        if (rescan) {
+          // Next D candidates after the last pop (gk, gb; gb lane-relative).
+          refill(bk, bb, next, gk, gb, 0);
+          ghost = 0;
+        }
+        continue;  // redo the round (segments without a rescan get the same answer)
+      }
+#pragma unroll
+      for (int s = 0; s < SL; ++s) {
+        if (r == s * W + sl) {
+          pick_key[s] = mk;
+          pick_e[s] = static_cast<int>(we);
+        }
+      }
+      if (won) {
+        if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
+          ghost = 1;
+          gk = bk[0];
+          gb = bb[0];
+          bk[0] = next;
+        } else {
+          buffer_pop<D>(bk, bb);
+        }
+      }
+      ++r;
+    }
+  }
+}
+
+// Steps 6 and 7 of route_warp: the weights of the picks from their p (oracle:
+// detail::post_weights, sums in k order), then the outputs of the row (lane sl of its segment).
+template <class Shape>
+__device__ __forceinline__ void finish_row(const RouteParams& p, int K, std::int64_t row, bool row_ok,
+                                           const void* row_ptr, const SoftmaxRow& sm, int sl,
+                                           const std::uint32_t (&pick_key)[Shape::kSlots],
+                                           const int (&pick_e)[Shape::kSlots], RoutedPicks<Shape>* picks) {
+  constexpr int W = Shape::W, SL = Shape::kSlots;
+  bool has[SL], fin[SL];
+  float pv[SL];
+#pragma unroll
+  for (int s = 0; s < SL; ++s) {
+    has[s] = s * W + sl < K;
+    fin[s] = has[s] && key_finite(pick_key[s]);
+    pv[s] = key_score(pick_key[s]);
+    const bool reload = p.bias != nullptr || (p.pre == PreFn::kNone && pick_key[s] == kZeroKey);
+    if (fin[s] && reload) {
+      const float s_logit = load_one(row_ptr, p.logits_dtype, pick_e[s]);
+      pv[s] = p.pre == PreFn::kSoftmax ? softmax_pre(s_logit, sm) : elementwise_pre(p.pre, s_logit);
+    }
+  }
+  float w[SL];
+  if (p.post == PostFn::kSoftmax || p.post == PostFn::kNormalize) {
+    float term[SL];
+    float m = 0.0f;
+    if (p.post == PostFn::kSoftmax) {
+      float lm = neg_inf();
+#pragma unroll
+      for (int s = 0; s < SL; ++s) lm = fin[s] ? fmaxf(lm, pv[s]) : lm;
+      m = key_score(segment_max<W>(score_key(lm)));
+#pragma unroll
+      for (int s = 0; s < SL; ++s) term[s] = fin[s] ? exp_any(__fadd_rn(pv[s], -m)) : 0.0f;
+    } else {
+#pragma unroll
+      for (int s = 0; s < SL; ++s) term[s] = fin[s] ? pv[s] : 0.0f;
+    }
+    // Sum in k order. Adding +0 is exact (the sum starts at +0 and is never -0), and term is +0
+    // for a non-finite pick and for k >= K (fin is false there): so the terms are gathered 8 at
+    // a time (slot and source lane are compile-time, the shuffles' latencies overlap) and all 8
+    // are added, in k order, for each block of 8 that starts below K.
+    float sum = 0.0f;
+#pragma unroll
+    for (int k0 = 0; k0 < SL * W; k0 += 8) {
+      if (k0 >= K) break;  // uniform
+      float t[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int k = k0 + j;
+        if (k < SL * W) t[j] = __shfl_sync(kFullMask, term[k / W], k % W, W);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (k0 + j < SL * W) sum = __fadd_rn(sum, t[j]);
+      }
+    }
+    if (p.post == PostFn::kSoftmax) {
+#pragma unroll
+      for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(__fdiv_rn(term[s], sum), p.scale) : 0.0f;
+    } else {
+      const float denom = __fadd_rn(sum, 1e-20f);
+#pragma unroll
+      for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(__fdiv_rn(pv[s], denom), p.scale) : 0.0f;
+    }
+  } else if (p.post == PostFn::kSigmoid) {
+#pragma unroll
+    for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(sigmoid_pre(pv[s]), p.scale) : 0.0f;
+  } else {
+#pragma unroll
+    for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(pv[s], p.scale) : 0.0f;
+  }
+
+  // Outputs.
+  if (row_ok) {
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {
+      if (!has[s]) continue;
+      const std::int64_t out = row * K + s * W + sl;
+      if (p.topk_ids != nullptr) {
+        if (p.ids_int64) {
+          static_cast<std::int64_t*>(p.topk_ids)[out] = pick_e[s];
+        } else {
+          static_cast<std::int32_t*>(p.topk_ids)[out] = pick_e[s];
+        }
+      }
+      if (p.topk_weights != nullptr) {
+        if (p.weights_bf16) {
+          static_cast<std::uint16_t*>(p.topk_weights)[out] = detail::float_to_bf16(w[s]);
+        } else {
+          static_cast<float*>(p.topk_weights)[out] = w[s];
+        }
+      }
+    }
+  }
+  if (picks != nullptr) {
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {
+      picks->expert[s] = has[s] ? pick_e[s] : -1;
+      picks->weight[s] = w[s];
+    }
+  }
+}
+
 }  // namespace dev
 
 // ---------------------------------------------------------------------------------------------
@@ -984,10 +1210,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     group_limit_generic<Shape>(p, key, srow, sl);
   }
 
-  // 5. Top-K (see the file comment). Fast pass: K rounds in which a lane whose buffer ran dry
-  // shows key 0. Exact unless a dry lane holds a key outside its buffer (`next`) that could rank
-  // at or above the last pick; then the exact rounds (ghosts and rescans) redo the rounds from
-  // the first pick that is not certainly right.
+  // 5. Top-K (select_top_k).
   std::uint32_t bk[D];
   int bb[D];
 #pragma unroll
@@ -1000,203 +1223,161 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
   std::uint32_t pick_key[SL];
   int pick_e[SL];
+  select_top_k<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
+                      [&](std::uint32_t (&rk)[D], int (&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
+                          int lane_offset) {
+                        buffer_refill_after<Shape>(
+                            [&](int i, std::uint32_t(&out)[4]) {
 #pragma unroll
-  for (int s = 0; s < SL; ++s) {
-    pick_key[s] = 0u;
-    pick_e[s] = 0;
-  }
-  constexpr int kMaxK = SL * W;  // >= K (see kSlots)
-  std::uint32_t last_mk = 0u;    // the key of pick K - 1
-#pragma unroll
-  for (int r = 0; r < kMaxK; ++r) {
-    if (r >= K) break;  // uniform
-    const std::uint32_t head = bk[0];
-    const std::uint32_t mk = segment_max<W>(head);
-    const unsigned my_e = static_cast<unsigned>(bb[0] + lane4);
-    const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
-    // A lane's experts are its own, so at most one lane of the segment has my_e == we (a dry
-    // lane's stale bb[0] is an expert it already gave away).
-    const bool won = head == mk && my_e == we;
-    if (sl == r % W) {  // pick r lives in lane r % W, slot r / W (compile-time)
-      pick_key[r / W] = mk;
-      pick_e[r / W] = static_cast<int>(we);
-    }
-    if (won) buffer_pop<D>(bk, bb);
-    last_mk = mk;
-  }
-  // Check. Picks come in rank order and their keys do not increase. A dry lane (bk[0] == 0)
-  // still holds keys <= next outside its buffer; a lane that is not dry shows its true best
-  // remaining candidate (everything outside its buffer ranks after it). If every dry lane has
-  // next < last_mk, no candidate hidden in a dry lane ranks above pick K - 1, so every round
-  // took the true best remaining candidate: the picks are the oracle's. Otherwise (hm >= last_mk
-  // below, equality included since `next` carries no expert index) the picks with key > hm are
-  // still exact (they rank above every hidden candidate), and the exact rounds resume after them.
-  // With D >= V a lane's buffer holds all its candidates (nothing is ever hidden; every row has at
-  // least K candidates of key > 0, so last_mk > 0): the fast pass is exact and the check goes.
-  const std::uint32_t hm = D >= V ? 0u : segment_max<W>(bk[0] == 0u ? next : 0u);
-  if (D < V && __any_sync(kFullMask, hm >= last_mk)) {
-    // First round whose key is <= hm, over the whole warp (K for rows that passed).
-    int first = K;
-#pragma unroll
-    for (int s = 0; s < SL; ++s) {
-      const int k = s * W + sl;
-      if (k < K && pick_key[s] <= hm) first = min(first, k);
-    }
-    const int r0 = static_cast<int>(__reduce_min_sync(kFullMask, static_cast<unsigned>(first)));
-    // Picks 0 .. r0 - 1 are the row's true top r0, i.e. every candidate that ranks at or above
-    // pick r0 - 1 (pk, pe). So each lane's remaining candidates are those ranking after it (all
-    // of them when r0 == 0): refill the buffers with the D best of those.
-    std::uint32_t pk = 0xffffffffu;  // above every key: "after" holds for every value
-    int pe = -1;
-    if (r0 > 0) {  // uniform
-      const int src = (r0 - 1) % W, slot = (r0 - 1) / W;
-#pragma unroll
-      for (int s = 0; s < SL; ++s) {  // s compile-time: the pick arrays stay in registers
-        const std::uint32_t ks = __shfl_sync(kFullMask, pick_key[s], src, W);
-        const int es = __shfl_sync(kFullMask, pick_e[s], src, W);
-        if (s == slot) {
-          pk = ks;
-          pe = es;
-        }
-      }
-    }
-    buffer_refill_after<Shape>(key, bk, bb, next, pk, pe, lane4);
-    std::uint32_t gk = 0u;
-    int gb = 0;
-    // Exact rounds: a lane whose buffer runs dry shows `next` (the largest key it has left, see
-    // buffer_insert) as its head and claims the lowest expert index for it: a "ghost" that
-    // wins a round only when the lane may really hold the round's pick. Then the lane rescans
-    // its values for the next D candidates after its last pop (gk, gb) and the round is redone.
-    int ghost = 0;  // a full register: a bool here was packed into a byte (PRMT) every round
-    for (int r = r0; r < K;) {
-      const std::uint32_t head = bk[0];
-      const std::uint32_t mk = segment_max<W>(head);
-      const unsigned my_e = ghost != 0 ? 0u : static_cast<unsigned>(bb[0] + lane4);
-      const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
-      const bool won = head == mk && my_e == we;
-      const bool rescan = won && ghost != 0;
-      if (__any_sync(kFullMask, rescan)) {
-        if (rescan) {
-          // Next D candidates after the last pop (gk, gb; gb lane-relative).
-          buffer_refill_after<Shape>(key, bk, bb, next, gk, gb, 0);
-          ghost = 0;
-        }
-        continue;  // redo the round (segments without a rescan get the same answer)
-      }
-#pragma unroll
-      for (int s = 0; s < SL; ++s) {
-        if (r == s * W + sl) {
-          pick_key[s] = mk;
-          pick_e[s] = static_cast<int>(we);
-        }
-      }
-      if (won) {
-        if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
-          ghost = 1;
-          gk = bk[0];
-          gb = bb[0];
-          bk[0] = next;
-        } else {
-          buffer_pop<D>(bk, bb);
-        }
-      }
-      ++r;
-    }
-  }
+                              for (int c = 0; c < 4; ++c) out[c] = key[4 * i + c];
+                            },
+                            rk, rb, rn, k, e, lane_offset);
+                      });
 
-  // 6. Weights from p of the picks (oracle: detail::post_weights, sums in k order).
-  bool has[SL], fin[SL];
-  float pv[SL];
+  // 6, 7. Weights and outputs.
+  finish_row<Shape>(p, K, row, row_ok, row_ptr, sm, sl, pick_key, pick_e, picks);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wide rows: route_warp for E > 512 (W = 32, S > 4) without a group limit.
+//
+// route_warp holds a row's 4*S values per lane in registers (64 at E = 2048): its wide kernels
+// needed 146-255 registers (1-2 blocks per SM), and wide-2048 ran at a quarter of the HBM rate.
+// Here a lane streams its stripes instead: the selection keys of a stripe are computed from the
+// logits (and bias) in memory when needed and go straight into the candidate buffer, so only one
+// stripe is live at a time. Softmax takes two extra passes over the row first (its max, then its
+// denominator), and the exact rounds of select_top_k recompute the keys they rescan. The row is
+// re-read from L1 / L2; the arithmetic per value is route_warp's general path (the same
+// operations in the same order: the same bits, i.e. the oracle's).
+
+// The selection keys of stripe i of the lane (experts 4*W*i + lane4 + c, c < 4): route_warp's
+// steps 1-3 for those values. sm and sm_fast (route_warp's per-lane `fast`) are the softmax
+// constants of the row when p.pre is softmax.
+template <class Shape>
+__device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, const void* row_ptr, bool row_ok, int lane4,
+                                                 const dev::SoftmaxRow& sm, bool sm_fast, int i,
+                                                 std::uint32_t (&key)[4]) {
+  using namespace dev;
+  constexpr int W = Shape::W;
+  const int E = p.num_experts;
+  const int e0 = 4 * W * i + lane4;
+  float v[4];
+  load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, row_ok, row_ok ? neg_inf() : 0.0f, v);
+  if (p.pre == PreFn::kSoftmax) {
 #pragma unroll
-  for (int s = 0; s < SL; ++s) {
-    has[s] = s * W + sl < K;
-    fin[s] = has[s] && key_finite(pick_key[s]);
-    pv[s] = key_score(pick_key[s]);
-    const bool reload = p.bias != nullptr || (p.pre == PreFn::kNone && pick_key[s] == kZeroKey);
-    if (fin[s] && reload) {
-      const float s_logit = load_one(row_ptr, p.logits_dtype, pick_e[s]);
-      pv[s] = p.pre == PreFn::kSoftmax ? softmax_pre(s_logit, sm) : elementwise_pre(p.pre, s_logit);
+    for (int c = 0; c < 4; ++c) {
+      const float x = __fadd_rn(v[c], -sm.m);
+      const float q = sm_fast ? div_fast(exp_fast(x), sm.sum, sm.rcp) : div_by(exp_any(x), sm.sum, sm.rcp);
+      v[c] = finite(v[c]) ? q : v[c];
     }
+  } else if (p.pre == PreFn::kSigmoid) {
+    const bool fast = fabsf(v[0]) <= 86.5f && fabsf(v[1]) <= 86.5f && fabsf(v[2]) <= 86.5f && fabsf(v[3]) <= 86.5f;
+    if (fast) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v[c] = sigmoid_fast(v[c]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v[c] = sigmoid_pre(v[c]);
+    }
+  } else if (p.pre == PreFn::kSqrtSoftplus) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[c] = pre_slow(PreFn::kSqrtSoftplus, v[c]);
   }
-  float w[SL];
-  if (p.post == PostFn::kSoftmax || p.post == PostFn::kNormalize) {
-    float term[SL];
-    float m = 0.0f;
-    if (p.post == PostFn::kSoftmax) {
-      float lm = neg_inf();
+  if (p.bias != nullptr) {
+    float b[4];
+    load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, b);
 #pragma unroll
-      for (int s = 0; s < SL; ++s) lm = fin[s] ? fmaxf(lm, pv[s]) : lm;
-      m = key_score(segment_max<W>(score_key(lm)));
-#pragma unroll
-      for (int s = 0; s < SL; ++s) term[s] = fin[s] ? exp_any(__fadd_rn(pv[s], -m)) : 0.0f;
-    } else {
-#pragma unroll
-      for (int s = 0; s < SL; ++s) term[s] = fin[s] ? pv[s] : 0.0f;
-    }
-    // Sum in k order. Adding +0 is exact (the sum starts at +0 and is never -0), and term is +0
-    // for a non-finite pick and for k >= K (fin is false there): so the terms are gathered 8 at
-    // a time (slot and source lane are compile-time, the shuffles' latencies overlap) and all 8
-    // are added, in k order, for each block of 8 that starts below K.
-    float sum = 0.0f;
-#pragma unroll
-    for (int k0 = 0; k0 < SL * W; k0 += 8) {
-      if (k0 >= K) break;  // uniform
-      float t[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int k = k0 + j;
-        if (k < SL * W) t[j] = __shfl_sync(kFullMask, term[k / W], k % W, W);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (k0 + j < SL * W) sum = __fadd_rn(sum, t[j]);
-      }
-    }
-    if (p.post == PostFn::kSoftmax) {
-#pragma unroll
-      for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(__fdiv_rn(term[s], sum), p.scale) : 0.0f;
-    } else {
-      const float denom = __fadd_rn(sum, 1e-20f);
-#pragma unroll
-      for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(__fdiv_rn(pv[s], denom), p.scale) : 0.0f;
-    }
-  } else if (p.post == PostFn::kSigmoid) {
-#pragma unroll
-    for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(sigmoid_pre(pv[s]), p.scale) : 0.0f;
+    for (int c = 0; c < 4; ++c) key[c] = canonical_key(__fadd_rn(v[c], b[c]));
   } else {
 #pragma unroll
-    for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(pv[s], p.scale) : 0.0f;
+    for (int c = 0; c < 4; ++c) key[c] = canonical_key(v[c]);
   }
-
-  // 7. Outputs.
-  if (row_ok) {
+  if (4 * W * (i + 1) > E) {  // stripe reaches past E (uniform)
 #pragma unroll
-    for (int s = 0; s < SL; ++s) {
-      if (!has[s]) continue;
-      const std::int64_t out = row * K + s * W + sl;
-      if (p.topk_ids != nullptr) {
-        if (p.ids_int64) {
-          static_cast<std::int64_t*>(p.topk_ids)[out] = pick_e[s];
-        } else {
-          static_cast<std::int32_t*>(p.topk_ids)[out] = pick_e[s];
-        }
-      }
-      if (p.topk_weights != nullptr) {
-        if (p.weights_bf16) {
-          static_cast<std::uint16_t*>(p.topk_weights)[out] = detail::float_to_bf16(w[s]);
-        } else {
-          static_cast<float*>(p.topk_weights)[out] = w[s];
-        }
-      }
-    }
-  }
-  if (picks != nullptr) {
-#pragma unroll
-    for (int s = 0; s < SL; ++s) {
-      picks->expert[s] = has[s] ? pick_e[s] : -1;
-      picks->weight[s] = w[s];
-    }
+    for (int c = 0; c < 4; ++c) key[c] = e0 + c < E ? key[c] : 0u;
   }
 }
+
+// route_warp's contract (see the top of this file) for Shape::W == 32 and p.group_path ==
+// kGroupNone; warp_smem is not used.
+template <class Shape>
+__device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64_t first_row,
+                                                RoutedPicks<Shape>* picks) {
+  using namespace dev;
+  static_assert(Shape::W == 32, "one row per warp");
+  constexpr int W = Shape::W, S = Shape::S, D = Shape::D, SL = Shape::kSlots;
+  const int sl = static_cast<int>(threadIdx.x & 31u);
+  const int lane4 = 4 * sl;
+  const std::int64_t row = first_row;
+  const bool row_ok = row < p.num_tokens;
+  const int E = p.num_experts;
+  const int K = p.top_k;
+  const std::size_t elem = p.logits_dtype == static_cast<int>(DType::kFloat32) ? 4 : 2;
+  const void* row_ptr = static_cast<const char*>(p.logits) +
+                        (row_ok ? row : 0) * p.row_stride * static_cast<std::int64_t>(elem);
+  const float fill = row_ok ? neg_inf() : 0.0f;
+
+  // Softmax constants: route_warp's general path, one pass for the max, one for the sum (a
+  // single accumulator per lane with W = 32, adding the lane's values in stripe order).
+  SoftmaxRow sm{0.0f, 1.0f, 1.0f};
+  bool sm_fast = true;
+  if (p.pre == PreFn::kSoftmax) {
+    float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      float v[4];
+      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, fill, v);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const bool f = finite(v[c]);
+        mx = f ? fmaxf(mx, v[c]) : mx;
+        mn = f ? fminf(mn, v[c]) : mn;
+      }
+    }
+    sm.m = key_score(segment_max<W>(score_key(mx)));
+    sm_fast = __fadd_rn(mn, -sm.m) >= -44.0f;
+    float acc[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      float v[4];
+      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, fill, v);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float x = __fadd_rn(v[c], -sm.m);
+        const float e = sm_fast ? exp_fast(x) : exp_any(x);
+        acc[0] = __fadd_rn(acc[0], finite(v[c]) ? e : 0.0f);
+      }
+    }
+    sm.sum = softmax_row_sum<W>(acc);
+    sm.rcp = __frcp_rn(sm.sum);
+  }
+  const auto stripe_keys = [&](int i, std::uint32_t(&out)[4]) {
+    wide_stripe_keys<Shape>(p, row_ptr, row_ok, lane4, sm, sm_fast, i, out);
+  };
+
+  // Candidate buffers, then select_top_k (its exact rounds rescan through stripe_keys).
+  std::uint32_t bk[D];
+  int bb[D];
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    bk[d] = 0u;
+    bb[d] = 0;
+  }
+  std::uint32_t next = 0u;
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    std::uint32_t key[4];
+    stripe_keys(i, key);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) buffer_insert<D>(bk, bb, next, key[c], value_base<Shape>(4 * i + c));
+  }
+  std::uint32_t pick_key[SL];
+  int pick_e[SL];
+  select_top_k<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
+                      [&](std::uint32_t (&rk)[D], int (&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
+                          int lane_offset) { buffer_refill_after<Shape>(stripe_keys, rk, rb, rn, k, e, lane_offset); });
+  finish_row<Shape>(p, K, row, row_ok, row_ptr, sm, sl, pick_key, pick_e, picks);
+}
+
 
 }  // namespace switchyard::cuda::routing

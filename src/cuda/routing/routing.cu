@@ -87,16 +87,18 @@ struct SpecTraits<SpecGeneric> {
 // Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
 // T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
 // kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
-template <class Shape, class SpecT>
+template <class Shape, class SpecT, bool kWide>
 constexpr int route_min_blocks() {
+  if (kWide) return 4;
   return (Shape::W == 32 && Shape::S >= 2 && Shape::S <= 3 && !std::is_same_v<SpecT, SpecGeneric> &&
           !SpecTraits<SpecT>::kEarlyBias)
              ? 8
              : 1;
 }
 
-template <class Shape, class SpecT>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT>())
+// kWide: route_warp_wide (E > 512 without a group limit) instead of route_warp.
+template <class Shape, class SpecT, bool kWide>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT, kWide>())
     route_kernel(const RouteParams p0) {
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   // Every later kernel only reads our outputs after its own pdl_wait(), which waits for this
@@ -109,12 +111,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   const int warps = static_cast<int>(blockDim.x >> 5);
   const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * warps + warp) * Shape::kRowsPerWarp;
   if (first_row >= p.num_tokens) return;  // whole warp: no block-level barrier follows
-  const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(p);
-  unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
-  routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias>(p, first_row, warp_smem, nullptr);
+  if constexpr (kWide) {
+    routing::route_warp_wide<Shape>(p, first_row, nullptr);
+  } else {
+    const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(p);
+    unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
+    routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias>(p, first_row, warp_smem, nullptr);
+  }
 }
 
-template <class Shape, class SpecT>
+template <class Shape, class SpecT, bool kWide = false>
 Status launch_route(const RouteParams& p, cudaStream_t stream) {
   const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(p);
   int warps_per_block = kWarpsPerBlock;
@@ -144,7 +150,7 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
   const std::int64_t rows_per_block = static_cast<std::int64_t>(warps_per_block) * Shape::kRowsPerWarp;
   const std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
   if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
-  return launch_kernel("route: kernel launch", route_kernel<Shape, SpecT>,
+  return launch_kernel("route: kernel launch", route_kernel<Shape, SpecT, kWide>,
                        dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(warps_per_block * 32)),
                        smem_per_warp * warps_per_block, stream, /*pdl=*/true, p);
 }
@@ -183,6 +189,9 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
 
 template <class Shape>
 Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
+  if constexpr (Shape::W == 32 && Shape::S > 4) {
+    if (p.group_path == routing::kGroupNone) return launch_route<Shape, SpecGeneric, true>(p, stream);
+  }
   if constexpr (Shape::W == 32 && Shape::S <= 4) {
     if (p.logits_dtype == static_cast<int>(DType::kFloat32))
       return launch_route_dtype<Shape, DType::kFloat32>(p, stream);

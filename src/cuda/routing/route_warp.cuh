@@ -494,25 +494,23 @@ __device__ __forceinline__ void buffer_pop(std::uint32_t (&bk)[D], int (&bb)[D])
 
 // Refills a lane's buffer (and `next`) with its D best candidates that rank after (k, e) in
 // (key desc, expert asc) order, the lane's value j being expert value_base(j) + lane_offset.
-// stripe_keys(i, out) gives the keys of the lane's values 4i .. 4i+3 (stripe i).
-template <class Shape, class StripeKeys>
-__device__ __forceinline__ void buffer_refill_after(const StripeKeys& stripe_keys, std::uint32_t (&bk)[Shape::D],
+// visit_keys(f) calls f(i, keys) with the keys of the lane's values 4i .. 4i+3 (stripe i) for
+// every stripe, in stripe order.
+template <class Shape, class VisitKeys>
+__device__ __forceinline__ void buffer_refill_after(const VisitKeys& visit_keys, std::uint32_t (&bk)[Shape::D],
                                                     int (&bb)[Shape::D], std::uint32_t& next, std::uint32_t k,
                                                     int e, int lane_offset) {
 #pragma unroll
   for (int d = 0; d < Shape::D; ++d) bk[d] = 0u;
   next = 0u;
-#pragma unroll
-  for (int i = 0; i < Shape::S; ++i) {
-    std::uint32_t key[4];
-    stripe_keys(i, key);
+  visit_keys([&](int i, const std::uint32_t(&key)[4]) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int base = value_base<Shape>(4 * i + c);
       const bool after = key[c] < k || (key[c] == k && base + lane_offset > e);
       buffer_insert<Shape::D>(bk, bb, next, after ? key[c] : 0u, base);
     }
-  }
+  });
 }
 
 // Max / min over the W lanes of a segment. A whole warp uses redux.sync; segments use xor
@@ -1227,9 +1225,13 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
                       [&](std::uint32_t (&rk)[D], int (&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
                           int lane_offset) {
                         buffer_refill_after<Shape>(
-                            [&](int i, std::uint32_t(&out)[4]) {
+                            [&](const auto& f) {
 #pragma unroll
-                              for (int c = 0; c < 4; ++c) out[c] = key[4 * i + c];
+                              for (int i = 0; i < S; ++i) {
+                                const std::uint32_t stripe[4] = {key[4 * i], key[4 * i + 1], key[4 * i + 2],
+                                                                 key[4 * i + 3]};
+                                f(i, stripe);
+                              }
                             },
                             rk, rb, rn, k, e, lane_offset);
                       });
@@ -1250,19 +1252,48 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 // re-read from L1 / L2; the arithmetic per value is route_warp's general path (the same
 // operations in the same order: the same bits, i.e. the oracle's).
 
-// The selection keys of stripe i of the lane (experts 4*W*i + lane4 + c, c < 4): route_warp's
-// steps 1-3 for those values. sm and sm_fast (route_warp's per-lane `fast`) are the softmax
-// constants of the row when p.pre is softmax.
+// Stripe i of a lane in a wide row: its logits (absent experts -inf) and, with a bias, its bias.
+struct WideStripe {
+  float v[4], b[4];
+};
+
+// Stripes of a wide row loaded kWideBatch at a time: the loads of a batch are issued together,
+// then f(i, stripe) runs for each, in stripe order (one stripe's load at a time put a full
+// memory latency per stripe on a row's critical path). The batches are a loop, not unrolled:
+// every pass over the row (softmax, keys, the rescans of the exact rounds) is a copy of this
+// code, and unrolled they made a 49k-instruction kernel at E = 2048.
+constexpr int kWideBatch = 4;
+template <class Shape, class F>
+__device__ __forceinline__ void wide_visit_stripes(const RouteParams& p, const void* row_ptr, int lane4,
+                                                   const F& f) {
+  using namespace dev;
+  constexpr int W = Shape::W, S = Shape::S;
+  const int E = p.num_experts;
+#pragma unroll 1
+  for (int g = 0; g < S; g += kWideBatch) {
+    WideStripe st[kWideBatch];
+#pragma unroll
+    for (int k = 0; k < kWideBatch && g + k < S; ++k) {
+      const int e0 = 4 * W * (g + k) + lane4;
+      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
+      if (p.bias != nullptr) load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
+    }
+#pragma unroll
+    for (int k = 0; k < kWideBatch && g + k < S; ++k) f(g + k, st[k]);
+  }
+}
+
+// The selection keys of stripe i of a lane (experts 4*W*i + lane4 + c, c < 4) from its values:
+// route_warp's steps 2-3 for those values. sm and sm_fast (route_warp's per-lane `fast`) are the
+// softmax constants of the row when p.pre is softmax.
 template <class Shape>
-__device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, const void* row_ptr, bool row_ok, int lane4,
-                                                 const dev::SoftmaxRow& sm, bool sm_fast, int i,
+__device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, int lane4, const dev::SoftmaxRow& sm,
+                                                 bool sm_fast, int i, const WideStripe& st,
                                                  std::uint32_t (&key)[4]) {
   using namespace dev;
   constexpr int W = Shape::W;
   const int E = p.num_experts;
-  const int e0 = 4 * W * i + lane4;
-  float v[4];
-  load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, row_ok, row_ok ? neg_inf() : 0.0f, v);
+  float v[4] = {st.v[0], st.v[1], st.v[2], st.v[3]};
   if (p.pre == PreFn::kSoftmax) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -1284,38 +1315,32 @@ __device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, const voi
     for (int c = 0; c < 4; ++c) v[c] = pre_slow(PreFn::kSqrtSoftplus, v[c]);
   }
   if (p.bias != nullptr) {
-    float b[4];
-    load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, b);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) key[c] = canonical_key(__fadd_rn(v[c], b[c]));
+    for (int c = 0; c < 4; ++c) key[c] = canonical_key(__fadd_rn(v[c], st.b[c]));
   } else {
 #pragma unroll
     for (int c = 0; c < 4; ++c) key[c] = canonical_key(v[c]);
   }
   if (4 * W * (i + 1) > E) {  // stripe reaches past E (uniform)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) key[c] = e0 + c < E ? key[c] : 0u;
+    for (int c = 0; c < 4; ++c) key[c] = 4 * W * i + lane4 + c < E ? key[c] : 0u;
   }
 }
 
 // route_warp's contract (see the top of this file) for Shape::W == 32 and p.group_path ==
-// kGroupNone; warp_smem is not used.
+// kGroupNone; warp_smem is not used. The caller skips warps whose row is past T.
 template <class Shape>
-__device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64_t first_row,
+__device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64_t row,
                                                 RoutedPicks<Shape>* picks) {
   using namespace dev;
   static_assert(Shape::W == 32, "one row per warp");
-  constexpr int W = Shape::W, S = Shape::S, D = Shape::D, SL = Shape::kSlots;
+  constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
   const int sl = static_cast<int>(threadIdx.x & 31u);
   const int lane4 = 4 * sl;
-  const std::int64_t row = first_row;
-  const bool row_ok = row < p.num_tokens;
-  const int E = p.num_experts;
   const int K = p.top_k;
   const std::size_t elem = p.logits_dtype == static_cast<int>(DType::kFloat32) ? 4 : 2;
-  const void* row_ptr = static_cast<const char*>(p.logits) +
-                        (row_ok ? row : 0) * p.row_stride * static_cast<std::int64_t>(elem);
-  const float fill = row_ok ? neg_inf() : 0.0f;
+  const void* row_ptr =
+      static_cast<const char*>(p.logits) + row * p.row_stride * static_cast<std::int64_t>(elem);
 
   // Softmax constants: route_warp's general path, one pass for the max, one for the sum (a
   // single accumulator per lane with W = 32, adding the lane's values in stripe order).
@@ -1323,39 +1348,37 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   bool sm_fast = true;
   if (p.pre == PreFn::kSoftmax) {
     float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
-#pragma unroll
-    for (int i = 0; i < S; ++i) {
-      float v[4];
-      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, fill, v);
+    wide_visit_stripes<Shape>(p, row_ptr, lane4, [&](int, const WideStripe& st) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const bool f = finite(v[c]);
-        mx = f ? fmaxf(mx, v[c]) : mx;
-        mn = f ? fminf(mn, v[c]) : mn;
+        const bool f = finite(st.v[c]);
+        mx = f ? fmaxf(mx, st.v[c]) : mx;
+        mn = f ? fminf(mn, st.v[c]) : mn;
       }
-    }
+    });
     sm.m = key_score(segment_max<W>(score_key(mx)));
     sm_fast = __fadd_rn(mn, -sm.m) >= -44.0f;
     float acc[1] = {0.0f};
-#pragma unroll
-    for (int i = 0; i < S; ++i) {
-      float v[4];
-      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, fill, v);
+    wide_visit_stripes<Shape>(p, row_ptr, lane4, [&](int, const WideStripe& st) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const float x = __fadd_rn(v[c], -sm.m);
+        const float x = __fadd_rn(st.v[c], -sm.m);
         const float e = sm_fast ? exp_fast(x) : exp_any(x);
-        acc[0] = __fadd_rn(acc[0], finite(v[c]) ? e : 0.0f);
+        acc[0] = __fadd_rn(acc[0], finite(st.v[c]) ? e : 0.0f);
       }
-    }
+    });
     sm.sum = softmax_row_sum<W>(acc);
     sm.rcp = __frcp_rn(sm.sum);
   }
-  const auto stripe_keys = [&](int i, std::uint32_t(&out)[4]) {
-    wide_stripe_keys<Shape>(p, row_ptr, row_ok, lane4, sm, sm_fast, i, out);
+  const auto visit_keys = [&](const auto& f) {
+    wide_visit_stripes<Shape>(p, row_ptr, lane4, [&](int i, const WideStripe& st) {
+      std::uint32_t key[4];
+      wide_stripe_keys<Shape>(p, lane4, sm, sm_fast, i, st, key);
+      f(i, key);
+    });
   };
 
-  // Candidate buffers, then select_top_k (its exact rounds rescan through stripe_keys).
+  // Candidate buffers, then select_top_k (its exact rounds rescan through visit_keys).
   std::uint32_t bk[D];
   int bb[D];
 #pragma unroll
@@ -1364,20 +1387,16 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
     bb[d] = 0;
   }
   std::uint32_t next = 0u;
-#pragma unroll
-  for (int i = 0; i < S; ++i) {
-    std::uint32_t key[4];
-    stripe_keys(i, key);
+  visit_keys([&](int i, const std::uint32_t(&key)[4]) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) buffer_insert<D>(bk, bb, next, key[c], value_base<Shape>(4 * i + c));
-  }
+  });
   std::uint32_t pick_key[SL];
   int pick_e[SL];
   select_top_k<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
                       [&](std::uint32_t (&rk)[D], int (&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
-                          int lane_offset) { buffer_refill_after<Shape>(stripe_keys, rk, rb, rn, k, e, lane_offset); });
-  finish_row<Shape>(p, K, row, row_ok, row_ptr, sm, sl, pick_key, pick_e, picks);
+                          int lane_offset) { buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset); });
+  finish_row<Shape>(p, K, row, true, row_ptr, sm, sl, pick_key, pick_e, picks);
 }
-
 
 }  // namespace switchyard::cuda::routing

@@ -89,7 +89,7 @@ struct SpecTraits<SpecGeneric> {
 // kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
 template <class Shape, class SpecT, bool kWide>
 constexpr int route_min_blocks() {
-  if (kWide) return 4;
+  if (kWide) return 3;
   return (Shape::W == 32 && Shape::S >= 2 && Shape::S <= 3 && !std::is_same_v<SpecT, SpecGeneric> &&
           !SpecTraits<SpecT>::kEarlyBias)
              ? 8

@@ -83,7 +83,9 @@ struct SpecTraits<SpecGeneric> {
 
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
-// sigmoid + bias ones past kEarlyBiasMaxTokens, the others at every T); 1 elsewhere.
+// sigmoid + bias ones past kEarlyBiasMaxTokens, the others at every T); 3 (80 registers) for the
+// wide-row kernels (kWide: unbounded, the compiler took 104-143 to keep more loads in flight);
+// 1 elsewhere.
 // Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
 // T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
 // kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
@@ -187,10 +189,29 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
       p, stream);
 }
 
+// Wide rows (route_warp_wide, E > 512 without a group limit): the generic kernel (80 registers,
+// a few spilled), and a specialised one for none -> softmax, the wide-2048 preset's rule (56-59
+// registers, 4 blocks per SM). Measured on the H200 (wide-2048, us at T = 4096 / 65536): fp32
+// generic 41.3 / 486, specialised 31.7 / 314; before route_warp_wide 49.8 / 625. Group limits
+// past E = 512 keep route_warp (their paths rank from the whole row in registers).
+template <class Shape, class SpecT, class... Rest>
+Status launch_route_wide(const RouteParams& p, cudaStream_t stream) {
+  if constexpr (sizeof...(Rest) == 0) {
+    return launch_route<Shape, SpecT, true>(p, stream);
+  } else {
+    if (SpecTraits<SpecT>::matches(p)) return launch_route<Shape, SpecT, true>(p, stream);
+    return launch_route_wide<Shape, Rest...>(p, stream);
+  }
+}
+
 template <class Shape>
 Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {
-    if (p.group_path == routing::kGroupNone) return launch_route<Shape, SpecGeneric, true>(p, stream);
+    if (p.group_path == routing::kGroupNone) {
+      return launch_route_wide<Shape, Spec<DType::kFloat32, PreFn::kNone, false, false, PostFn::kSoftmax>,
+                               Spec<DType::kBFloat16, PreFn::kNone, false, false, PostFn::kSoftmax>, SpecGeneric>(
+          p, stream);
+    }
   }
   if constexpr (Shape::W == 32 && Shape::S <= 4) {
     if (p.logits_dtype == static_cast<int>(DType::kFloat32))

@@ -363,24 +363,20 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int* my_hist = hist + warp * L;
   PickInts<ITEMS> ballot_within{};  // bitmap kernels' ballot fallback
   bool by_bits = false;
-  if constexpr (kBits) {
-    by_bits = W > 0;
-    if (by_bits) {
-      bool duplicate = false;
+  if constexpr (kBits) {  // the launcher instantiates these kernels only with W > 0
+    bool duplicate = false;
 #pragma unroll
-      for (int j = 0; j < ITEMS; ++j) {
-        if (key[j] < L) {  // a placed pick: x < c1
-          const int u = token_of(c0 + (group0 + j) * 32 + lane) - first_token;
-          const unsigned bit = 1u << (u & 31);
-          if (atomicOr(&bits[(u >> 5) * L + key[j]], bit) & bit) duplicate = true;
-        }
+    for (int j = 0; j < ITEMS; ++j) {
+      if (key[j] < L) {  // a placed pick: x < c1
+        const int u = token_of(c0 + (group0 + j) * 32 + lane) - first_token;
+        const unsigned bit = 1u << (u & 31);
+        if (atomicOr(&bits[(u >> 5) * L + key[j]], bit) & bit) duplicate = true;
       }
-      if (__any_sync(0xffffffffu, duplicate) && lane == 0) atomicOr(&sh.duplicates, 1);
-      add_dropped();
-      __syncthreads();  // bitmaps complete
-      by_bits = sh.duplicates == 0;
     }
-    if (W == 0) add_dropped();
+    if (__any_sync(0xffffffffu, duplicate) && lane == 0) atomicOr(&sh.duplicates, 1);
+    add_dropped();
+    __syncthreads();  // bitmaps complete
+    by_bits = sh.duplicates == 0;
     if (!by_bits) ballot_within = rank_by_ballots<ITEMS, KB>(keys, hist, block_counts, L, per_warp, groups);
   } else {
     warp_ballot_ranks<ITEMS, kCluster, KB>(key, my_hist, L, per_warp, group0, groups);

@@ -501,9 +501,10 @@ __device__ __forceinline__ void buffer_pop(std::uint32_t (&bk)[D], int (&bb)[D])
 // visit_keys(f) calls f(i, keys) with the keys of the lane's values 4i .. 4i+3 (stripe i) for
 // every stripe, in stripe order.
 template <class Shape, class VisitKeys>
-__device__ __forceinline__ void buffer_refill_after(const VisitKeys& visit_keys, std::uint32_t (&bk)[Shape::D],
-                                                    int (&bb)[Shape::D], std::uint32_t& next, std::uint32_t k,
-                                                    int e, int lane_offset) {
+__device__ __forceinline__ void buffer_refill_after(const VisitKeys& visit_keys,
+                                                    std::uint32_t (&bk)[Shape::D], int (&bb)[Shape::D],
+                                                    std::uint32_t& next, std::uint32_t k, int e,
+                                                    int lane_offset) {
 #pragma unroll
   for (int d = 0; d < Shape::D; ++d) bk[d] = 0u;
   next = 0u;
@@ -1225,20 +1226,19 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
   std::uint32_t pick_key[SL];
   int pick_e[SL];
-  select_top_k<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
-                      [&](std::uint32_t (&rk)[D], int (&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
-                          int lane_offset) {
-                        buffer_refill_after<Shape>(
-                            [&](const auto& f) {
+  select_top_k<Shape>(
+      K, sl, lane4, bk, bb, next, pick_key, pick_e,
+      [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
+        buffer_refill_after<Shape>(
+            [&](const auto& f) {
 #pragma unroll
-                              for (int i = 0; i < S; ++i) {
-                                const std::uint32_t stripe[4] = {key[4 * i], key[4 * i + 1], key[4 * i + 2],
-                                                                 key[4 * i + 3]};
-                                f(i, stripe);
-                              }
-                            },
-                            rk, rb, rn, k, e, lane_offset);
-                      });
+              for (int i = 0; i < S; ++i) {
+                const std::uint32_t stripe[4] = {key[4 * i], key[4 * i + 1], key[4 * i + 2], key[4 * i + 3]};
+                f(i, stripe);
+              }
+            },
+            rk, rb, rn, k, e, lane_offset);
+      });
 
   // 6, 7. Weights and outputs.
   finish_row<Shape>(p, K, row, row_ok, row_ptr, sm, sl, pick_key, pick_e, picks);
@@ -1259,7 +1259,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 // 936). ncu at T = 65536: ~2900 warp instructions per row, issue-bound (SM throughput 87%); the
 // candidate-buffer insert of every value (~20 instructions) is the largest part.
 
-// Stripe i of a lane in a wide row: its logits (absent experts -inf) and, with a bias, its bias.
+// Stripe i of a lane in a wide row: its logits (absent experts -inf) and, when the pass asked for
+// it and there is a bias, its bias.
 struct WideStripe {
   float v[4], b[4];
 };
@@ -1268,11 +1269,12 @@ struct WideStripe {
 // then f(i, stripe) runs for each, in stripe order (one stripe's load at a time put a full
 // memory latency per stripe on a row's critical path). The batches are a loop, not unrolled:
 // every pass over the row (softmax, keys, the rescans of the exact rounds) is a copy of this
-// code, and unrolled they made a 49k-instruction kernel at E = 2048.
+// code, and unrolled they made a 49k-instruction kernel at E = 2048. with_bias: the pass needs
+// the bias (the key passes do, the softmax passes do not).
 constexpr int kWideBatch = 4;
 template <class Shape, class F>
 __device__ __forceinline__ void wide_visit_stripes(const RouteParams& p, const void* row_ptr, int lane4,
-                                                   const F& f) {
+                                                   bool with_bias, const F& f) {
   using namespace dev;
   constexpr int W = Shape::W, S = Shape::S;
   const int E = p.num_experts;
@@ -1283,7 +1285,8 @@ __device__ __forceinline__ void wide_visit_stripes(const RouteParams& p, const v
     for (int k = 0; k < kWideBatch && g + k < S; ++k) {
       const int e0 = 4 * W * (g + k) + lane4;
       load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
-      if (p.bias != nullptr) load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
+      if (with_bias && p.bias != nullptr)
+        load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
     }
 #pragma unroll
     for (int k = 0; k < kWideBatch && g + k < S; ++k) f(g + k, st[k]);
@@ -1309,7 +1312,8 @@ __device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, int lane4
       v[c] = finite(v[c]) ? q : v[c];
     }
   } else if (p.pre == PreFn::kSigmoid) {
-    const bool fast = fabsf(v[0]) <= 86.5f && fabsf(v[1]) <= 86.5f && fabsf(v[2]) <= 86.5f && fabsf(v[3]) <= 86.5f;
+    const bool fast =
+        fabsf(v[0]) <= 86.5f && fabsf(v[1]) <= 86.5f && fabsf(v[2]) <= 86.5f && fabsf(v[3]) <= 86.5f;
     if (fast) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) v[c] = sigmoid_fast(v[c]);
@@ -1355,7 +1359,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   bool sm_fast = true;
   if (p.pre == PreFn::kSoftmax) {
     float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
-    wide_visit_stripes<Shape>(p, row_ptr, lane4, [&](int, const WideStripe& st) {
+    wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/false, [&](int, const WideStripe& st) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const bool f = finite(st.v[c]);
@@ -1366,7 +1370,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
     sm.m = key_score(segment_max<W>(score_key(mx)));
     sm_fast = __fadd_rn(mn, -sm.m) >= -44.0f;
     float acc[1] = {0.0f};
-    wide_visit_stripes<Shape>(p, row_ptr, lane4, [&](int, const WideStripe& st) {
+    wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/false, [&](int, const WideStripe& st) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const float x = __fadd_rn(st.v[c], -sm.m);
@@ -1378,7 +1382,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
     sm.rcp = __frcp_rn(sm.sum);
   }
   const auto visit_keys = [&](const auto& f) {
-    wide_visit_stripes<Shape>(p, row_ptr, lane4, [&](int i, const WideStripe& st) {
+    wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/true, [&](int i, const WideStripe& st) {
       std::uint32_t key[4];
       wide_stripe_keys<Shape>(p, lane4, sm, sm_fast, i, st, key);
       f(i, key);
@@ -1400,9 +1404,11 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   });
   std::uint32_t pick_key[SL];
   int pick_e[SL];
-  select_top_k<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
-                      [&](std::uint32_t (&rk)[D], int (&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
-                          int lane_offset) { buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset); });
+  select_top_k<Shape>(
+      K, sl, lane4, bk, bb, next, pick_key, pick_e,
+      [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
+        buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset);
+      });
   finish_row<Shape>(p, K, row, true, row_ptr, sm, sl, pick_key, pick_e, picks);
 }
 

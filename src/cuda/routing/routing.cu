@@ -209,8 +209,8 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {
     if (p.group_path == routing::kGroupNone) {
       return launch_route_wide<Shape, Spec<DType::kFloat32, PreFn::kNone, false, false, PostFn::kSoftmax>,
-                               Spec<DType::kBFloat16, PreFn::kNone, false, false, PostFn::kSoftmax>, SpecGeneric>(
-          p, stream);
+                               Spec<DType::kBFloat16, PreFn::kNone, false, false, PostFn::kSoftmax>,
+                               SpecGeneric>(p, stream);
     }
   }
   if constexpr (Shape::W == 32 && Shape::S <= 4) {

@@ -49,6 +49,12 @@ enum class Kind {
   // layout of route_warp.cuh), on 3 tied levels, sometimes tied with one expert of another lane:
   // one lane holds more picks than its candidate buffer, and ties meet the K-th pick.
   kLaneHeavy,
+  // Up to 48 values of a row a few ulps apart (spreads of 4 to 4096 ulps above a random base),
+  // in random experts, over N(0, 1): keys that share their high bits but differ in the low ones,
+  // and some exact ties. route_warp.cuh's packed top-K rounds rank by the high bits and the
+  // expert index; every such pair among the picks or at the K-th pick must send the row to the
+  // exact rounds.
+  kNearTied,
 };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -62,6 +68,8 @@ const char* kind_name(Kind k) {
       return "special";
     case Kind::kLaneHeavy:
       return "lane-heavy";
+    case Kind::kNearTied:
+      return "near-tied";
   }
   return "?";
 }
@@ -126,6 +134,24 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
       }
       return v;
     }
+    case Kind::kNearTied: {
+      std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
+      std::mt19937_64 g(seed ^ 0x2545f4914f6cdd1dull);
+      const std::uint32_t spreads[] = {4, 16, 256, 4096};
+      for (std::int64_t t = 0; t < T; ++t) {
+        float* row = v.data() + t * E;
+        const float base = 2.0f + 0.25f * static_cast<float>(g() % 8);
+        std::uint32_t u;
+        std::memcpy(&u, &base, 4);
+        const std::uint32_t spread = spreads[g() % 4];
+        const int m = 8 + static_cast<int>(g() % 41);
+        for (int j = 0; j < m; ++j) {
+          const std::uint32_t b = u + static_cast<std::uint32_t>(g() % spread);
+          std::memcpy(&row[g() % E], &b, 4);
+        }
+      }
+      return v;
+    }
     case Kind::kSpecial:
       break;
   }
@@ -164,6 +190,12 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
 
 std::vector<float> make_bias(Kind kind, int E, std::uint64_t seed) {
   if (kind == Kind::kTied) return sy_test::random_tied(static_cast<std::size_t>(E), seed, 3);
+  if (kind == Kind::kNearTied) {  // a few ulps of the scores: the near ties survive the bias
+    std::mt19937_64 g(seed + 2);
+    std::vector<float> b(static_cast<std::size_t>(E));
+    for (float& x : b) x = std::ldexp(static_cast<float>(g() % 4), -22);
+    return b;
+  }
   std::vector<float> b = sy_test::random_normal(static_cast<std::size_t>(E), seed, 0.5f);
   if (kind == Kind::kSpecial) {
     std::mt19937_64 g(seed + 1);
@@ -553,6 +585,13 @@ TEST(RoutingCuda, LaneHeavy) {
   SY_SKIP_WITHOUT_GPU();
   sweep_kind(Kind::kLaneHeavy, {8, 40, 64, 96, 160, 256, 384, 512, 640, 1000, 2048},
              {1, 2, 3, 5, 8, 10, 17, 32}, 257, 3, 4);
+}
+
+// Values a few ulps apart among the best of a row (see Kind::kNearTied), over the expert counts
+// of the packed top-K rounds (E <= 512) and past them.
+TEST(RoutingCuda, NearTies) {
+  SY_SKIP_WITHOUT_GPU();
+  sweep_kind(Kind::kNearTied, {65, 128, 160, 256, 384, 512, 640}, {1, 2, 8, 10, 22, 32}, 301, 2, 2);
 }
 
 // A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied

@@ -10,8 +10,9 @@
 //       its Status; Unsupported past kMaxGpuExperts.
 //   std::size_t route_smem_bytes_per_warp<Shape>(const RouteParams& p);     // host
 //       dynamic shared memory each warp must own (0 unless a group limit is used).
-//   template <class Shape, bool kEarlyBias = false> __device__ void route_warp(const RouteParams& p,
-//       std::int64_t first_row, unsigned char* warp_smem, RoutedPicks<Shape>* picks);
+//   template <class Shape, bool kEarlyBias = false, bool kPackedTopK = true> __device__ void
+//       route_warp(const RouteParams& p, std::int64_t first_row, unsigned char* warp_smem,
+//       RoutedPicks<Shape>* picks);
 //       Called by all 32 lanes of a converged warp. Routes the Shape::kRowsPerWarp rows
 //       first_row, first_row + 1, ... (rows >= p.num_tokens are computed on dummy data and not
 //       written). Writes topk_ids / topk_weights when p.topk_ids / p.topk_weights are
@@ -61,18 +62,22 @@
 //   its values for the next D after its last pop; the round is redone. Both are rare (a lane
 //   must hold more than D of the K picks) and the buffers stay small. (Idea of
 //   per-thread candidate queues merged by warp reductions: FAISS WarpSelect, TensorRT-LLM's MoE top-k
-//   kernels; this code is our own.) Groups. With group size G % 4 == 0 and at most 2 scores summed per group
-//   (top2_sum, max, topk_sum with K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert
-//   chunks in shared memory, lanes merge the chunks of one group each, and topk_group rounds
-//   of segment reductions pick the groups. Any other group configuration takes a generic
-//   path: the row's keys go to shared memory and each lane ranks its groups by scanning. With
-//   W = 32, G / 4 a power of two and n_group <= 32 (DeepSeek-V3) a group's chunks are
-//   consecutive lanes of one stripe: xor butterflies, and each group's rank among the groups
-//   from n_group independent broadcasts, kept where rank < topk_group (group_limit_lanes).
-//   Weights. Pick k sits in lane k % W of the segment (slot k / W). p of a pick equals its q
-//   (no bias) or is recomputed from the logit (with bias, or q == 0 where p may be -0), with
-//   the same code as the main pass. Sums over the K picks run in k order (shuffles), the rest
-//   is per lane.
+//   kernels; this code is our own.) Packed rounds (whole-warp rows up to E = 512, K >= 2): the
+//   fast pass reduces once per round, over the head's key with its low 7-9 bits replaced by the
+//   inverted expert index; that order is exact unless two keys share the remaining bits (a
+//   "bucket") and differ, which a check after the rounds detects (neighbouring picks, or a lane's
+//   head and the last pick, in one bucket): then the exact rounds start from the first pick. The
+//   picks' keys come from the buffers they left (shuffles). Groups. With group size G % 4 == 0 and at most 2
+//   scores summed per group (top2_sum, max, topk_sum with K/topk_group <= 2), each lane puts the top-2 keys
+//   of each of its 4-expert chunks in shared memory, lanes merge the chunks of one group each, and topk_group
+//   rounds of segment reductions pick the groups. Any other group configuration takes a generic path: the
+//   row's keys go to shared memory and each lane ranks its groups by scanning. With W = 32, G / 4 a power of
+//   two and n_group <= 32 (DeepSeek-V3) a group's chunks are consecutive lanes of one stripe: xor
+//   butterflies, and each group's rank among the groups from n_group independent broadcasts, kept where rank
+//   < topk_group (group_limit_lanes). Weights. Pick k sits in lane k % W of the segment (slot k / W). p of a
+//   pick equals its q (no bias) or is recomputed from the logit (with bias, or q == 0 where p may be -0),
+//   with the same code as the main pass. Sums over the K picks run in k order (shuffles), the rest is per
+//   lane.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -80,6 +85,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "common/numeric.h"
@@ -825,6 +831,21 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
   __syncwarp();
 }
 
+// The packed fast pass of select_top_k: whole-warp rows of up to 512 experts (route_warp; not the
+// wide rows, whose coarser buckets of up to 12 index bits would collide far more often).
+template <class Shape>
+inline constexpr bool kPackedRounds = Shape::W == 32 && Shape::S <= 4;
+// Bits of an expert index below Shape::kMaxExperts.
+template <class Shape>
+inline constexpr int kIndexBits = Shape::kMaxExperts <= 128   ? 7
+                                  : Shape::kMaxExperts <= 256 ? 8
+                                                              : 9;
+// K = 1 takes the plain pass: one round saves less than the packed pass's checks cost (measured on
+// the H200, llama4-maverick E=128 K=1 fp32, T = 65536: 24.7 us packed against 22.1 plain). (A
+// threshold of K = 6 made gpt-oss-120b, K = 4 on its plain pass, 4-7% slower than before at
+// every T.)
+inline constexpr int kPackedMinK = 2;
+
 // Step 5 of route_warp (see the file comment): the top-K of a row from the lanes' candidate
 // buffers (bk, bb, next: a lane's D best candidates, sorted, and the largest key it holds outside
 // them; see buffer_insert) into pick_key / pick_e (pick k in lane k % W of the segment, slot
@@ -833,21 +854,17 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
 // the exact rounds (ghosts and rescans) redo the rounds from the first pick that is not certainly
 // right. refill(bk, bb, next, k, e, lane_offset) refills a lane's buffer with its D best
 // candidates ranking after (k, e), as buffer_refill_after does; only the exact rounds call it.
-template <class Shape, class Refill>
-__device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint32_t (&bk)[Shape::D],
-                                             int (&bb)[Shape::D], std::uint32_t& next,
-                                             std::uint32_t (&pick_key)[Shape::kSlots],
-                                             int (&pick_e)[Shape::kSlots], const Refill& refill) {
-  constexpr int W = Shape::W, D = Shape::D, V = Shape::kValues, SL = Shape::kSlots;
+// The plain fast pass of select_top_k: rounds of two segment reductions (max key, then min expert
+// among equal keys), at most kRounds of them.
+template <class Shape, int kRounds>
+__device__ __forceinline__ std::uint32_t plain_fast_pass(int K, int sl, int lane4,
+                                                         std::uint32_t (&bk)[Shape::D], int (&bb)[Shape::D],
+                                                         std::uint32_t (&pick_key)[Shape::kSlots],
+                                                         int (&pick_e)[Shape::kSlots]) {
+  constexpr int W = Shape::W, D = Shape::D;
+  std::uint32_t last_mk = 0u;
 #pragma unroll
-  for (int s = 0; s < SL; ++s) {
-    pick_key[s] = 0u;
-    pick_e[s] = 0;
-  }
-  constexpr int kMaxK = SL * W;  // >= K (see kSlots)
-  std::uint32_t last_mk = 0u;    // the key of pick K - 1
-#pragma unroll
-  for (int r = 0; r < kMaxK; ++r) {
+  for (int r = 0; r < kRounds; ++r) {
     if (r >= K) break;  // uniform
     const std::uint32_t head = bk[0];
     const std::uint32_t mk = segment_max<W>(head);
@@ -863,23 +880,131 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
     if (won) buffer_pop<D>(bk, bb);
     last_mk = mk;
   }
+  return last_mk;  // the key of pick K - 1
+}
+
+// Step 5 of route_warp (see the file comment): the top-K of a row from the lanes' candidate
+// buffers (bk, bb, next: a lane's D best candidates, sorted, and the largest key it holds outside
+// them; see buffer_insert) into pick_key / pick_e (pick k in lane k % W of the segment, slot
+// k / W). Fast pass: K rounds in which a lane whose buffer ran dry shows key 0. Exact unless a dry
+// lane holds a key outside its buffer (`next`) that could rank at or above the last pick; then
+// the exact rounds (ghosts and rescans) redo the rounds from the first pick that is not certainly
+// right. refill(bk, bb, next, k, e, lane_offset) refills a lane's buffer with its D best
+// candidates ranking after (k, e), as buffer_refill_after does; only the exact rounds call it.
+// keys_needed: pick_key must hold the picks' keys (finish_row takes a pick's p from its key when
+// there is no bias); otherwise the packed pass may leave a key's bucket there (same finiteness).
+template <class Shape, bool kPackedTopK, class Refill>
+__device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint32_t (&bk)[Shape::D],
+                                             int (&bb)[Shape::D], std::uint32_t& next,
+                                             std::uint32_t (&pick_key)[Shape::kSlots],
+                                             int (&pick_e)[Shape::kSlots], bool keys_needed,
+                                             const Refill& refill) {
+  constexpr int W = Shape::W, D = Shape::D, V = Shape::kValues, SL = Shape::kSlots;
+#pragma unroll
+  for (int s = 0; s < SL; ++s) {
+    pick_key[s] = 0u;
+    pick_e[s] = 0;
+  }
   // Check. Picks come in rank order and their keys do not increase. A dry lane (bk[0] == 0)
   // still holds keys <= next outside its buffer; a lane that is not dry shows its true best
   // remaining candidate (everything outside its buffer ranks after it). If every dry lane has
-  // next < last_mk, no candidate hidden in a dry lane ranks above pick K - 1, so every round
-  // took the true best remaining candidate: the picks are the oracle's. Otherwise (hm >= last_mk
-  // below, equality included since `next` carries no expert index) the picks with key > hm are
-  // still exact (they rank above every hidden candidate), and the exact rounds resume after them.
-  // With D >= V a lane's buffer holds all its candidates (nothing is ever hidden; every row has at
-  // least K candidates of key > 0, so last_mk > 0): the fast pass is exact and the check goes.
-  const std::uint32_t hm = D >= V ? 0u : segment_max<W>(bk[0] == 0u ? next : 0u);
-  if (D < V && __any_sync(kFullMask, hm >= last_mk)) {
+  // next < last_mk (the key of pick K - 1), no candidate hidden in a dry lane ranks above pick
+  // K - 1, so every round took the true best remaining candidate: the picks are the oracle's.
+  // Otherwise (hm >= last_mk, equality included since `next` carries no expert index) the picks
+  // with key > hm are still exact (they rank above every hidden candidate), and the exact rounds
+  // resume after them. With D >= V a lane's buffer holds all its candidates (nothing is ever
+  // hidden; every row has at least K candidates of key > 0, so last_mk > 0): the fast pass is
+  // exact and the check goes.
+  bool exact = false;     // run the exact rounds
+  bool collided = false;  // packed pass: start them from the first pick
+  std::uint32_t hm = 0u;  // the largest key hidden outside a dry lane's buffer
+  const auto plain = [&](auto rounds) {
+    const std::uint32_t last_mk =
+        plain_fast_pass<Shape, decltype(rounds)::value>(K, sl, lane4, bk, bb, pick_key, pick_e);
+    if (D < V) {
+      hm = segment_max<W>(bk[0] == 0u ? next : 0u);
+      exact = __any_sync(kFullMask, hm >= last_mk);
+    }
+  };
+  if constexpr (!kPackedTopK || !kPackedRounds<Shape>) {
+    plain(std::integral_constant<int, SL * W>{});  // SL * W >= K
+  } else if (K < kPackedMinK) {                    // uniform
+    plain(std::integral_constant<int, kPackedMinK - 1>{});
+  } else {
+    // Packed fast pass: one reduction per round instead of two. A head's packed key is its key
+    // with the low kIndexBits bits (the bucket is what is left) replaced by the inverted expert
+    // index, so redux.sync max takes the largest bucket, lowest expert first: the exact order
+    // unless two heads of one bucket have different keys. (bf16 logits without a pre function
+    // never do: their low 16 bits are 0.)
+    constexpr std::uint32_t kIdx = ~(~0u << kIndexBits<Shape>);  // the index bits
+    std::uint32_t bp[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+      bp[d] = bk[d] == 0u ? 0u : (bk[d] & ~kIdx) | (kIdx - static_cast<std::uint32_t>(bb[d] + lane4));
+    std::uint32_t my_pm = 0u;  // packed key of pick sl
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      if (r >= K) break;  // uniform
+      const std::uint32_t pm = __reduce_max_sync(kFullMask, bp[0]);
+      if (sl == r) my_pm = pm;
+      if (bp[0] == pm) {  // the winner (a row's packed keys are distinct) pops its head
+#pragma unroll
+        for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
+        bp[D - 1] = 0u;
+      }
+    }
+    const bool has = sl < K;
+    const unsigned e = has ? kIdx - (my_pm & kIdx) : 0u;
+    pick_e[0] = static_cast<int>(e);
+    pick_key[0] = has ? my_pm & ~kIdx : 0u;
+    // The buckets of the picks do not increase (a lane's buffer is sorted by key), so picks of one
+    // bucket are consecutive; a candidate left in a buffer can outrank a pick only from that
+    // pick's bucket, which is then the last pick's (a lane's head bounds its buffer). Without two
+    // neighbouring picks, or a lane's head and the last pick, in one bucket, and with every hidden
+    // key below the last pick's bucket, the picks are exact.
+    const std::uint32_t last_bucket = __shfl_sync(kFullMask, my_pm, K - 1) & ~kIdx;
+    const std::uint32_t pn = __shfl_down_sync(kFullMask, my_pm, 1);
+    const bool shared =
+        (sl + 1 < K && ((my_pm ^ pn) & ~kIdx) == 0u) || (bp[0] != 0u && (bp[0] & ~kIdx) == last_bucket);
+    hm = segment_max<W>(bp[0] == 0u ? next : 0u);
+    const bool suspect = hm >= last_bucket || __any_sync(kFullMask, shared);
+    if (keys_needed || suspect) {  // uniform
+      // The picks' keys, from the buffers they came from (lane (e / 4) % 32 still holds pick sl
+      // in bk / bb: the packed pass only pops bp).
+      const int owner = static_cast<int>((e >> 2) & 31u);
+      const int rel = static_cast<int>(e) - 4 * owner;
+      std::uint32_t f = 0u;
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const std::uint32_t kd = __shfl_sync(kFullMask, bk[d], owner);
+        const int bd = __shfl_sync(kFullMask, bb[d], owner);
+        f = (has && bd == rel && kd != 0u) ? kd : f;  // an empty slot's bb is stale
+      }
+      pick_key[0] = f;
+    }
+    if (suspect) {  // uniform: the same checks on the keys
+      const std::uint32_t f = pick_key[0];
+      const std::uint32_t last_mk = __shfl_sync(kFullMask, f, K - 1);
+      const std::uint32_t fn = __shfl_down_sync(kFullMask, f, 1);
+      const bool pair_collides = sl + 1 < K && (f ^ fn) - 1u < kIdx;  // same bucket, other key
+      bool head_collides = false;
+      if (bp[0] != 0u && ((bp[0] ^ last_mk) & ~kIdx) == 0u) {
+        const int hb = static_cast<int>(kIdx - (bp[0] & kIdx)) - lane4;
+#pragma unroll
+        for (int d = 0; d < D; ++d) head_collides |= bb[d] == hb && bk[d] != 0u && bk[d] != last_mk;
+      }
+      collided = __any_sync(kFullMask, pair_collides || head_collides);
+      exact = collided || hm >= last_mk;
+    }
+  }
+  if (exact) {  // uniform
+    // After a collision of the packed pass they start over from the first pick.
     // First round whose key is <= hm, over the whole warp (K for rows that passed).
     int first = K;
 #pragma unroll
     for (int s = 0; s < SL; ++s) {
       const int k = s * W + sl;
-      if (k < K && pick_key[s] <= hm) first = min(first, k);
+      if (k < K && (collided || pick_key[s] <= hm)) first = min(first, k);
     }
     const int r0 = static_cast<int>(__reduce_min_sync(kFullMask, static_cast<unsigned>(first)));
     // Picks 0 .. r0 - 1 are the row's true top r0, i.e. every candidate that ranks at or above
@@ -1054,7 +1179,7 @@ __device__ __forceinline__ void finish_row(const RouteParams& p, int K, std::int
 // kEarlyBias: the bias is loaded into registers together with the logits, so that its latency
 // (an L2 hit, ~600 cycles on the H200) overlaps theirs; otherwise it is loaded when the keys are
 // made, which keeps V registers free (more rows in flight per SM at large T; see routing.cu).
-template <class Shape, bool kEarlyBias = false>
+template <class Shape, bool kEarlyBias = false, bool kPackedTopK = true>
 __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t first_row,
                                            unsigned char* warp_smem, RoutedPicks<Shape>* picks) {
   using namespace dev;
@@ -1226,8 +1351,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
   std::uint32_t pick_key[SL];
   int pick_e[SL];
-  select_top_k<Shape>(
-      K, sl, lane4, bk, bb, next, pick_key, pick_e,
+  select_top_k<Shape, kPackedTopK>(
+      K, sl, lane4, bk, bb, next, pick_key, pick_e, /*keys_needed=*/p.bias == nullptr,
       [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
         buffer_refill_after<Shape>(
             [&](const auto& f) {
@@ -1404,8 +1529,8 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   });
   std::uint32_t pick_key[SL];
   int pick_e[SL];
-  select_top_k<Shape>(
-      K, sl, lane4, bk, bb, next, pick_key, pick_e,
+  select_top_k<Shape, true>(
+      K, sl, lane4, bk, bb, next, pick_key, pick_e, /*keys_needed=*/p.bias == nullptr,
       [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
         buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset);
       });

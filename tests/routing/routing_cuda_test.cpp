@@ -55,6 +55,10 @@ enum class Kind {
   // expert index; every such pair among the picks or at the K-th pick must send the row to the
   // exact rounds.
   kNearTied,
+  // The last expert far above the rest, experts 0 .. 9 tied below it, everything else lower:
+  // with one expert per group and topk_group = K, the kept experts sit in three lanes' buffers,
+  // which run dry before K picks (the packed top-K rounds then see rounds without a head).
+  kDryBuffers,
 };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -70,6 +74,8 @@ const char* kind_name(Kind k) {
       return "lane-heavy";
     case Kind::kNearTied:
       return "near-tied";
+    case Kind::kDryBuffers:
+      return "dry-buffers";
   }
   return "?";
 }
@@ -149,6 +155,15 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
           const std::uint32_t b = u + static_cast<std::uint32_t>(g() % spread);
           std::memcpy(&row[g() % E], &b, 4);
         }
+      }
+      return v;
+    }
+    case Kind::kDryBuffers: {
+      std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
+      for (std::int64_t t = 0; t < T; ++t) {
+        float* row = v.data() + t * E;
+        for (int e = 0; e < E; ++e) row[e] = e < 10 ? 1.0f : row[e] - 4.0f;
+        row[E - 1] = (t % 2) ? 5.0f : std::numeric_limits<float>::infinity();
       }
       return v;
     }
@@ -592,6 +607,31 @@ TEST(RoutingCuda, LaneHeavy) {
 TEST(RoutingCuda, NearTies) {
   SY_SKIP_WITHOUT_GPU();
   sweep_kind(Kind::kNearTied, {65, 128, 160, 256, 384, 512, 640}, {1, 2, 8, 10, 22, 32}, 301, 2, 2);
+}
+
+// Rounds of the top-K fast pass in which every lane's buffer is dry (see Kind::kDryBuffers), for
+// expert counts whose last expert has an all-ones index in the packed rounds (128, 256) and others.
+TEST(RoutingCuda, DryBuffers) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int E : {128, 256, 160, 384, 512}) {
+    for (int K : {2, 8, 10}) {
+      for (int pre : {0, 1}) {
+        Case c;
+        c.config = make_config(E, K, static_cast<PreFn>(pre), PostFn::kSoftmax);
+        c.config.group_rule = (i % 2) ? GroupRule::kMax : GroupRule::kTopKSum;
+        c.config.n_group = E;
+        c.config.topk_group = K;
+        c.T = 37;
+        c.kind = Kind::kDryBuffers;
+        c.logits_dtype = kLogitDtypes[i % 3];
+        vary(c, i);
+        ++i;
+        check_case(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
 }
 
 // A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied

@@ -971,6 +971,9 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
     if (keys_needed || suspect) {  // uniform
       // The picks' keys, from the buffers they came from (lane (e / 4) % 32 still holds pick sl
       // in bk / bb: the packed pass only pops bp).
+      // A round in which every lane was dry (pm == 0; only with a group limit) names no expert:
+      // its e = kIdx may be a real one, still in its lane's bk / bb. Its key stays 0.
+      const bool real = has && my_pm != 0u;
       const int owner = static_cast<int>((e >> 2) & 31u);
       const int rel = static_cast<int>(e) - 4 * owner;
       std::uint32_t f = 0u;
@@ -978,7 +981,7 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
       for (int d = 0; d < D; ++d) {
         const std::uint32_t kd = __shfl_sync(kFullMask, bk[d], owner);
         const int bd = __shfl_sync(kFullMask, bb[d], owner);
-        f = (has && bd == rel && kd != 0u) ? kd : f;  // an empty slot's bb is stale
+        f = (real && bd == rel && kd != 0u) ? kd : f;  // an empty slot's bb is stale
       }
       pick_key[0] = f;
     }

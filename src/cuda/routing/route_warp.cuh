@@ -831,15 +831,19 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
   __syncwarp();
 }
 
-// The packed fast pass of select_top_k: whole-warp rows of up to 512 experts (route_warp; not the
-// wide rows, whose coarser buckets of up to 12 index bits would collide far more often).
+// The packed fast pass of select_top_k: whole-warp rows of up to 2048 experts. route_warp uses it
+// (up to E = 512); route_warp_wide only where its kernel asks (kPackedTopK): with 10-11 index bits
+// the buckets of fp32 keys are coarse (12-13 bits of mantissa) and rows with one shared bucket
+// among their picks would be common, but bf16 / fp16 logits without a pre function fit whole.
 template <class Shape>
-inline constexpr bool kPackedRounds = Shape::W == 32 && Shape::S <= 4;
+inline constexpr bool kPackedRounds = Shape::W == 32 && Shape::S <= 16;
 // Bits of an expert index below Shape::kMaxExperts.
 template <class Shape>
-inline constexpr int kIndexBits = Shape::kMaxExperts <= 128   ? 7
-                                  : Shape::kMaxExperts <= 256 ? 8
-                                                              : 9;
+inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
+                                  : Shape::kMaxExperts <= 256  ? 8
+                                  : Shape::kMaxExperts <= 512  ? 9
+                                  : Shape::kMaxExperts <= 1024 ? 10
+                                                               : 11;
 // K = 1 takes the plain pass: one round saves less than the packed pass's checks cost (measured on
 // the H200, llama4-maverick E=128 K=1 fp32, T = 65536: 24.7 us packed against 22.1 plain). (A
 // threshold of K = 6 made gpt-oss-120b, K = 4 on its plain pass, 4-7% slower than before at
@@ -1354,7 +1358,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
   std::uint32_t pick_key[SL];
   int pick_e[SL];
-  select_top_k<Shape, kPackedTopK>(
+  select_top_k<Shape, kPackedTopK && Shape::S <= 4>(  // the wide shapes here have group limits: fp32 keys
       K, sl, lane4, bk, bb, next, pick_key, pick_e, /*keys_needed=*/p.bias == nullptr,
       [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
         buffer_refill_after<Shape>(
@@ -1468,7 +1472,7 @@ __device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, int lane4
 
 // route_warp's contract (see the top of this file) for Shape::W == 32 and p.group_path ==
 // kGroupNone; warp_smem is not used. The caller skips warps whose row is past T.
-template <class Shape>
+template <class Shape, bool kPackedTopK = false>
 __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64_t row,
                                                 RoutedPicks<Shape>* picks) {
   using namespace dev;
@@ -1532,7 +1536,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   });
   std::uint32_t pick_key[SL];
   int pick_e[SL];
-  select_top_k<Shape, true>(
+  select_top_k<Shape, kPackedTopK>(
       K, sl, lane4, bk, bb, next, pick_key, pick_e, /*keys_needed=*/p.bias == nullptr,
       [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
         buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset);

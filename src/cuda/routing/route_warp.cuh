@@ -24,9 +24,10 @@
 //       row before using them.
 //   The caller must call pdl_wait() (cuda/common/launch.cuh) before route_warp when launched
 //   with programmatic dependent launch.
-//   route_warp_wide<Shape>(p, row, picks): the same contract for one row per warp (W = 32, any S)
-//   without a group limit, holding one batch of stripes in registers instead of the whole row
-//   (see "Wide rows" below); the caller skips warps whose row is past T.
+//   route_warp_wide<Shape, kPackedTopK = false>(p, row, picks): the same contract for one row per
+//   warp (W = 32, any S) without a group limit, holding one batch of stripes in registers instead
+//   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
+//   kPackedTopK (both routines): the packed top-K rounds (see Top-K below) where they apply.
 //
 // DESIGN
 //   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64, fewer for E <= 64 so
@@ -62,8 +63,9 @@
 //   its values for the next D after its last pop; the round is redone. Both are rare (a lane
 //   must hold more than D of the K picks) and the buffers stay small. (Idea of
 //   per-thread candidate queues merged by warp reductions: FAISS WarpSelect, TensorRT-LLM's MoE top-k
-//   kernels; this code is our own.) Packed rounds (whole-warp rows up to E = 512, K >= 2): the
-//   fast pass reduces once per round, over the head's key with its low 7-9 bits replaced by the
+//   kernels; this code is our own.) Packed rounds (whole-warp rows up to E = 512, K >= 2, and
+//   wide rows of bf16 / fp16 logits without a pre function): the
+//   fast pass reduces once per round, over the head's key with its low 7-11 bits replaced by the
 //   inverted expert index; that order is exact unless two keys share the remaining bits (a
 //   "bucket") and differ, which a check after the rounds detects (neighbouring picks, or a lane's
 //   head and the last pick, in one bucket): then the exact rounds start from the first pick. The

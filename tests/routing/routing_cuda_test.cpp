@@ -610,7 +610,8 @@ TEST(RoutingCuda, NearTies) {
 }
 
 // Rounds of the top-K fast pass in which every lane's buffer is dry (see Kind::kDryBuffers), for
-// expert counts whose last expert has an all-ones index in the packed rounds (128, 256) and others.
+// expert counts whose last expert has an all-ones index in the packed rounds (128, 256, 512) and
+// others.
 TEST(RoutingCuda, DryBuffers) {
   SY_SKIP_WITHOUT_GPU();
   int i = 0;

@@ -852,14 +852,6 @@ inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
 // every T.)
 inline constexpr int kPackedMinK = 2;
 
-// Step 5 of route_warp (see the file comment): the top-K of a row from the lanes' candidate
-// buffers (bk, bb, next: a lane's D best candidates, sorted, and the largest key it holds outside
-// them; see buffer_insert) into pick_key / pick_e (pick k in lane k % W of the segment, slot
-// k / W). Fast pass: K rounds in which a lane whose buffer ran dry shows key 0. Exact unless a dry
-// lane holds a key outside its buffer (`next`) that could rank at or above the last pick; then
-// the exact rounds (ghosts and rescans) redo the rounds from the first pick that is not certainly
-// right. refill(bk, bb, next, k, e, lane_offset) refills a lane's buffer with its D best
-// candidates ranking after (k, e), as buffer_refill_after does; only the exact rounds call it.
 // The plain fast pass of select_top_k: rounds of two segment reductions (max key, then min expert
 // among equal keys), at most kRounds of them.
 template <class Shape, int kRounds>

@@ -171,6 +171,18 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
                        smem_per_warp * warps_per_block, stream, /*pdl=*/true, p);
 }
 
+// The first of the kernels SpecT, Rest... whose Spec matches p (the last one, SpecGeneric, always
+// does); kWide: the wide-row kernels.
+template <class Shape, bool kWide, class SpecT, class... Rest>
+Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
+  if constexpr (sizeof...(Rest) == 0) {
+    return launch_route<Shape, SpecT, kWide>(p, stream);
+  } else {
+    if (SpecTraits<SpecT>::matches(p)) return launch_route<Shape, SpecT, kWide>(p, stream);
+    return launch_route_spec<Shape, kWide, Rest...>(p, stream);
+  }
+}
+
 // The specialised configurations (model families of DESIGN.md section 2), for fp32 and bf16
 // logits, on the whole-warp shapes with up to 4 stripes (64 < E <= 512): softmax -> normalize
 // (the issue's E=256 K=8 configuration), none -> softmax (Qwen3, gpt-oss), sigmoid + bias ->
@@ -182,19 +194,9 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
 // deepseek-v3 the 32-register cap of route_min_blocks removed that (7.49 / 7.27 at T = 4096);
 // qwen3-next (4 stripes, 42-58 registers) still shows it (8.8 fp32 against 8.2 bf16). Why one
 // wave of 512 blocks depends so much on the register count is not understood.
-template <class Shape, class SpecT, class... Rest>
-Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
-  if constexpr (sizeof...(Rest) == 0) {
-    return launch_route<Shape, SpecT>(p, stream);
-  } else {
-    if (SpecTraits<SpecT>::matches(p)) return launch_route<Shape, SpecT>(p, stream);
-    return launch_route_spec<Shape, Rest...>(p, stream);
-  }
-}
-
 template <class Shape, DType kDtype>
 Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
-  return launch_route_spec<Shape, Spec<kDtype, PreFn::kSoftmax, false, false, PostFn::kNormalize>,
+  return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSoftmax, false, false, PostFn::kNormalize>,
                            Spec<kDtype, PreFn::kNone, false, false, PostFn::kSoftmax>,
                            Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize, true>,
                            Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize, true>,
@@ -208,23 +210,13 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
 // registers, 4 blocks per SM). Measured on the H200 (wide-2048, us at T = 4096 / 65536): fp32
 // generic 41.3 / 486, specialised 31.7 / 314; before route_warp_wide 49.8 / 625. Group limits
 // past E = 512 keep route_warp (their paths rank from the whole row in registers).
-template <class Shape, class SpecT, class... Rest>
-Status launch_route_wide(const RouteParams& p, cudaStream_t stream) {
-  if constexpr (sizeof...(Rest) == 0) {
-    return launch_route<Shape, SpecT, true>(p, stream);
-  } else {
-    if (SpecTraits<SpecT>::matches(p)) return launch_route<Shape, SpecT, true>(p, stream);
-    return launch_route_wide<Shape, Rest...>(p, stream);
-  }
-}
-
 template <class Shape>
 Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {
     if (p.group_path == routing::kGroupNone) {
-      return launch_route_wide<Shape, Spec<DType::kFloat32, PreFn::kNone, false, false, PostFn::kSoftmax>,
-                               Spec<DType::kBFloat16, PreFn::kNone, false, false, PostFn::kSoftmax>,
-                               SpecGeneric>(p, stream);
+      return launch_route_spec<
+          Shape, true, Spec<DType::kFloat32, PreFn::kNone, false, false, PostFn::kSoftmax>,
+          Spec<DType::kBFloat16, PreFn::kNone, false, false, PostFn::kSoftmax>, SpecGeneric>(p, stream);
     }
   }
   if constexpr (Shape::W == 32 && Shape::S <= 4) {

@@ -8,8 +8,9 @@
 //   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f);  // host
 //       calls f(Shape{}) with the RouteShape<W, S, D> for E and T (route_shape_index), returns
 //       its Status; Unsupported past kMaxGpuExperts.
-//   std::size_t route_smem_bytes_per_warp<Shape>(const RouteParams& p);     // host
-//       dynamic shared memory each warp must own (0 unless a group limit is used).
+//   std::size_t route_smem_bytes_per_warp<Shape, bool kPackedTopK = true>(const RouteParams& p);
+//       host: dynamic shared memory each warp of route_warp<Shape, ..., kPackedTopK> must own
+//       (group limits; the row's keys for the packed candidate buffers).
 //   template <class Shape, bool kEarlyBias = false, bool kPackedTopK = true> __device__ void
 //       route_warp(const RouteParams& p, std::int64_t first_row, unsigned char* warp_smem,
 //       RoutedPicks<Shape>* picks);
@@ -27,7 +28,8 @@
 //   route_warp_wide<Shape, kPackedTopK = false>(p, row, picks): the same contract for one row per
 //   warp (W = 32, any S) without a group limit, holding one batch of stripes in registers instead
 //   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
-//   kPackedTopK (both routines): the packed top-K rounds (see Top-K below) where they apply.
+//   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 512, any K;
+//       see Top-K below); route_warp_wide: the packed top-K rounds.
 //
 // DESIGN
 //   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64, fewer for E <= 64 so
@@ -63,23 +65,23 @@
 //   its values for the next D after its last pop; the round is redone. Both are rare (a lane
 //   must hold more than D of the K picks) and the buffers stay small. (Idea of
 //   per-thread candidate queues merged by warp reductions: FAISS WarpSelect, TensorRT-LLM's MoE top-k
-//   kernels; this code is our own.) Packed rounds (whole-warp rows up to E = 512, K >= 2, and
-//   wide rows of bf16 / fp16 logits without a pre function): the
-//   fast pass reduces once per round, over the head's key with its low 7-11 bits replaced by the
-//   inverted expert index; that order is exact unless two keys share the remaining bits (a
-//   "bucket") and differ, which a check after the rounds detects (neighbouring picks, or a lane's
-//   head and the last pick, in one bucket): then the exact rounds start from the first pick. The
-//   picks' keys come from the buffers they left (shuffles). Groups. With group size G % 4 == 0 and at most 2
-//   scores summed per group (top2_sum, max, topk_sum with K/topk_group <= 2), each lane puts the top-2 keys
-//   of each of its 4-expert chunks in shared memory, lanes merge the chunks of one group each, and topk_group
-//   rounds of segment reductions pick the groups. Any other group configuration takes a generic path: the
-//   row's keys go to shared memory and each lane ranks its groups by scanning. With W = 32, G / 4 a power of
-//   two and n_group <= 32 (DeepSeek-V3) a group's chunks are consecutive lanes of one stripe: xor
-//   butterflies, and each group's rank among the groups from n_group independent broadcasts, kept where rank
-//   < topk_group (group_limit_lanes). Weights. Pick k sits in lane k % W of the segment (slot k / W). p of a
-//   pick equals its q (no bias) or is recomputed from the logit (with bias, or q == 0 where p may be -0),
-//   with the same code as the main pass. Sums over the K picks run in k order (shuffles), the rest is per
-//   lane.
+//   kernels; this code is our own.) Packed keys: a key with its low 7-11 bits replaced by the
+//   inverted expert index orders (bits left, the "bucket", desc; expert asc), exact unless two
+//   keys share a bucket and differ, which a check after the rounds detects; then the exact rounds
+//   start from the first pick. Whole-warp rows up to E = 512 (kPackedTopK) keep packed keys in
+//   their buffers (insert = five min / max; one redux.sync per round; full keys in shared memory;
+//   select_top_k_packed); wide rows of bf16 / fp16 logits without a pre function pack their heads
+//   each round (select_top_k's packed pass; keys from the buffers, by shuffles).
+//   Groups. With group size G % 4 == 0 and at most 2 scores summed per group (top2_sum, max, topk_sum with
+//   K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert chunks in shared memory, lanes
+//   merge the chunks of one group each, and topk_group rounds of segment reductions pick the groups. Any
+//   other group configuration takes a generic path: the row's keys go to shared memory and each lane ranks
+//   its groups by scanning. With W = 32, G / 4 a power of two and n_group <= 32 (DeepSeek-V3) a group's
+//   chunks are consecutive lanes of one stripe: xor butterflies, and each group's rank among the groups from
+//   n_group independent broadcasts, kept where rank < topk_group (group_limit_lanes). Weights. Pick k sits in
+//   lane k % W of the segment (slot k / W). p of a pick equals its q (no bias) or is recomputed from the
+//   logit (with bias, or q == 0 where p may be -0), with the same code as the main pass. Sums over the K
+//   picks run in k order (shuffles), the rest is per lane.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -284,17 +286,25 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
 // Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)
 // or keys (4 bytes per expert slot), then n_group score keys and n_group selection flags.
 template <class Shape>
-__host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
+__host__ __device__ __forceinline__ std::size_t route_group_smem_bytes(const RouteParams& p) {
   if (p.group_path == kGroupNone || (Shape::W == 32 && p.group_lanes)) return 0;
   const std::size_t head = p.group_path == kGroupChunks ? std::size_t{8} * Shape::W * Shape::S
                                                         : std::size_t{16} * Shape::W * Shape::S;
   return (head + static_cast<std::size_t>(p.n_group) * 5 + 15) / 16 * 16;
 }
 
+// Shared memory of one routed row: the group paths', then, for the packed candidate buffers of
+// whole-warp rows up to E = 512 (see select_top_k_packed; kPackedTopK), the row's selection keys.
+template <class Shape, bool kPackedTopK = true>
+__host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
+  constexpr bool keys = kPackedTopK && Shape::W == 32 && Shape::S <= 4;
+  return route_group_smem_bytes<Shape>(p) + (keys ? std::size_t{4} * Shape::kMaxExperts : 0);
+}
+
 // Dynamic shared memory each warp of a Shape kernel must own for these parameters.
-template <class Shape>
+template <class Shape, bool kPackedTopK = true>
 __host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_warp(const RouteParams& p) {
-  return route_smem_bytes_per_row<Shape>(p) * Shape::kRowsPerWarp;
+  return route_smem_bytes_per_row<Shape, kPackedTopK>(p) * Shape::kRowsPerWarp;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -833,10 +843,11 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
   __syncwarp();
 }
 
-// The packed fast pass of select_top_k: whole-warp rows of up to 2048 experts. route_warp uses it
-// (up to E = 512); route_warp_wide only where its kernel asks (kPackedTopK): with 10-11 index bits
-// the buckets of fp32 keys are coarse (12-13 bits of mantissa) and rows with one shared bucket
-// among their picks would be common, but bf16 / fp16 logits without a pre function fit whole.
+// The packed fast pass of select_top_k: whole-warp rows of up to 2048 experts. route_warp_wide uses
+// it where its kernel asks (kPackedTopK): with 10-11 index bits the buckets of fp32 keys are coarse
+// (12-13 bits of mantissa) and rows with one shared bucket among their picks would be common, but
+// bf16 / fp16 logits without a pre function fit whole. (route_warp's rows up to E = 512 keep packed
+// keys in their buffers instead: select_top_k_packed.)
 template <class Shape>
 inline constexpr bool kPackedRounds = Shape::W == 32 && Shape::S <= 16;
 // Bits of an expert index below Shape::kMaxExperts.
@@ -847,8 +858,9 @@ inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
                                   : Shape::kMaxExperts <= 1024 ? 10
                                                                : 11;
 // K = 1 takes the plain pass: one round saves less than the packed pass's checks cost (measured on
-// the H200, llama4-maverick E=128 K=1 fp32, T = 65536: 24.7 us packed against 22.1 plain). (A
-// threshold of K = 6 made gpt-oss-120b, K = 4 on its plain pass, 4-7% slower than before at
+// the H200, llama4-maverick E=128 K=1 fp32, T = 65536: 24.7 us packed rounds against 22.1 plain;
+// 26.75 on packed buffers against 22.03, so routing.cu's K = 1 kernels do not use those either).
+// (A threshold of K = 6 made gpt-oss-120b, K = 4 on its plain pass, 4-7% slower than before at
 // every T.)
 inline constexpr int kPackedMinK = 2;
 
@@ -881,6 +893,87 @@ __device__ __forceinline__ std::uint32_t plain_fast_pass(int K, int sl, int lane
   return last_mk;  // the key of pick K - 1
 }
 
+// The exact rounds of select_top_k (see there), run when its fast pass could not vouch for its
+// picks: from the first pick whose key is <= hm (the largest key a dry lane hides; every pick when
+// `collided`), with the buffers refilled by refill(bk, bb, next, k, e, lane_offset) from the
+// candidates ranking after the last pick kept.
+template <class Shape, class Refill>
+__device__ __forceinline__ void exact_rounds(int K, int sl, int lane4, std::uint32_t (&bk)[Shape::D],
+                                             int (&bb)[Shape::D], std::uint32_t& next,
+                                             std::uint32_t (&pick_key)[Shape::kSlots],
+                                             int (&pick_e)[Shape::kSlots], bool collided, std::uint32_t hm,
+                                             const Refill& refill) {
+  constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
+  // After a collision of the packed pass they start over from the first pick.
+  // First round whose key is <= hm, over the whole warp (K for rows that passed).
+  int first = K;
+#pragma unroll
+  for (int s = 0; s < SL; ++s) {
+    const int k = s * W + sl;
+    if (k < K && (collided || pick_key[s] <= hm)) first = min(first, k);
+  }
+  const int r0 = static_cast<int>(__reduce_min_sync(kFullMask, static_cast<unsigned>(first)));
+  // Picks 0 .. r0 - 1 are the row's true top r0, i.e. every candidate that ranks at or above
+  // pick r0 - 1 (pk, pe). So each lane's remaining candidates are those ranking after it (all
+  // of them when r0 == 0): refill the buffers with the D best of those.
+  std::uint32_t pk = 0xffffffffu;  // above every key: "after" holds for every value
+  int pe = -1;
+  if (r0 > 0) {  // uniform
+    const int src = (r0 - 1) % W, slot = (r0 - 1) / W;
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {  // s compile-time: the pick arrays stay in registers
+      const std::uint32_t ks = __shfl_sync(kFullMask, pick_key[s], src, W);
+      const int es = __shfl_sync(kFullMask, pick_e[s], src, W);
+      if (s == slot) {
+        pk = ks;
+        pe = es;
+      }
+    }
+  }
+  refill(bk, bb, next, pk, pe, lane4);
+  std::uint32_t gk = 0u;
+  int gb = 0;
+  // Exact rounds: a lane whose buffer runs dry shows `next` (the largest key it has left, see
+  // buffer_insert) as its head and claims the lowest expert index for it: a "ghost" that
+  // wins a round only when the lane may really hold the round's pick. Then the lane rescans
+  // its values for the next D candidates after its last pop (gk, gb) and the round is redone.
+  int ghost = 0;  // a full register: a bool here was packed into a byte (PRMT) every round
+  for (int r = r0; r < K;) {
+    const std::uint32_t head = bk[0];
+    const std::uint32_t mk = segment_max<W>(head);
+    const unsigned my_e = ghost != 0 ? 0u : static_cast<unsigned>(bb[0] + lane4);
+    const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
+    const bool won = head == mk && my_e == we;
+    const bool rescan = won && ghost != 0;
+    if (__any_sync(kFullMask, rescan)) {
+      if (rescan) {
+        // Next D candidates after the last pop (gk, gb; gb lane-relative).
+        refill(bk, bb, next, gk, gb, 0);
+        ghost = 0;
+      }
+      continue;  // redo the round (segments without a rescan get the same answer)
+    }
+#pragma unroll
+    for (int s = 0; s < SL; ++s) {
+      if (r == s * W + sl) {
+        pick_key[s] = mk;
+        pick_e[s] = static_cast<int>(we);
+      }
+    }
+    if (won) {
+      if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
+        ghost = 1;
+        gk = bk[0];
+        gb = bb[0];
+        bk[0] = next;
+      } else {
+        buffer_pop<D>(bk, bb);
+      }
+    }
+    ++r;
+  }
+}
+
 // Step 5 of route_warp (see the file comment): the top-K of a row from the lanes' candidate
 // buffers (bk, bb, next: a lane's D best candidates, sorted, and the largest key it holds outside
 // them; see buffer_insert) into pick_key / pick_e (pick k in lane k % W of the segment, slot
@@ -891,7 +984,7 @@ __device__ __forceinline__ std::uint32_t plain_fast_pass(int K, int sl, int lane
 // candidates ranking after (k, e), as buffer_refill_after does; only the exact rounds call it.
 // keys_needed: pick_key must hold the picks' keys (finish_row takes a pick's p from its key when
 // there is no bias); otherwise the packed pass may leave a key's bucket there (same finiteness).
-template <class Shape, bool kPackedTopK, class Refill>
+template <class Shape, bool kPackedTopK, int kPlainRounds = (Shape::kSlots * Shape::W), class Refill>
 __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint32_t (&bk)[Shape::D],
                                              int (&bb)[Shape::D], std::uint32_t& next,
                                              std::uint32_t (&pick_key)[Shape::kSlots],
@@ -925,8 +1018,8 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
     }
   };
   if constexpr (!kPackedTopK || !kPackedRounds<Shape>) {
-    plain(std::integral_constant<int, SL * W>{});  // SL * W >= K
-  } else if (K < kPackedMinK) {                    // uniform
+    plain(std::integral_constant<int, kPlainRounds>{});  // >= K
+  } else if (K < kPackedMinK) {                          // uniform
     plain(std::integral_constant<int, kPackedMinK - 1>{});
   } else {
     // Packed fast pass: one reduction per round instead of two. A head's packed key is its key
@@ -998,75 +1091,118 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
       exact = collided || hm >= last_mk;
     }
   }
+  if (exact)
+    exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, collided, hm, refill);  // uniform
+}
+
+// Packed candidate buffers (route_warp: whole-warp rows up to E = 512, K >= kPackedMinK). A lane
+// keeps packed keys only: a value's key with its low kIndexBits bits (the bucket is what is left)
+// replaced by the inverted expert index, so one unsigned compare orders (bucket desc, expert asc),
+// and the buffer insert is five min / max instructions instead of compares and selects on a key
+// and an expert (the ALU pipe bounded these kernels at large T: ncu, 60-77% of its peak). The
+// key 0 of a non-candidate packs to bucket 0, below every real key (>= score_key(-inf)), so a lane
+// whose head has bucket 0 is dry.
+template <class Shape>
+inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 4;
+template <class Shape>
+inline constexpr std::uint32_t kIndexMask = ~(~0u << kIndexBits<Shape>);
+
+template <int D>
+__device__ __forceinline__ void packed_insert(std::uint32_t (&bp)[D], std::uint32_t& next, std::uint32_t x) {
+  next = max(next, min(x, bp[D - 1]));
+#pragma unroll
+  for (int d = D - 1; d >= 1; --d) bp[d] = max(bp[d], min(x, bp[d - 1]));
+  bp[0] = max(bp[0], x);
+}
+
+// The key of a real packed key whose bucket holds a single key: keys of bf16 / fp16 values have
+// their low 13 or more bits all 0 (scores >= +0) or all 1 (below), and kIndexBits <= 11.
+template <class Shape>
+__device__ __forceinline__ std::uint32_t bucket_key(std::uint32_t x) {
+  const std::uint32_t b = x & ~kIndexMask<Shape>;
+  return (b & 0x80000000u) != 0u ? b : (b | kIndexMask<Shape>);
+}
+
+// Step 5 of route_warp on packed buffers (bp, next: see packed_insert): the packed fast pass of
+// select_top_k, one redux.sync per round, then a check.
+// - Every candidate in a bucket above the last pick's is a pick or hidden outside a dry lane's
+//   buffer (a lane's head ranks after the last pick, its buffer and hidden keys after its head).
+// - So the picks are exact unless: a dry lane hides a bucket at or above the last pick's (then the
+//   exact rounds run from the first pick whose key could be at or below a hidden one); two
+//   neighbouring picks share a bucket with different keys; or a lane's head is in the last pick's
+//   bucket and might hide a key there that outranks the last pick (its head's key differs from
+//   the last pick's, or its next candidate, buffered or hidden, is in that bucket too). The last
+//   two restart the exact rounds from the first pick.
+// - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
+//   the dry-lane test remains and a pick's key comes from its bucket.
+// full_key(e): the key of expert e of the row; refill as for select_top_k (full keys).
+template <class Shape, class FullKey, class Refill>
+__device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, std::uint32_t (&bp)[Shape::D],
+                                                    std::uint32_t pnext, bool bucket_exact,
+                                                    const FullKey& full_key, std::uint32_t (&pick_key)[1],
+                                                    int (&pick_e)[1], bool keys_needed,
+                                                    const Refill& refill) {
+  constexpr int D = Shape::D;
+  constexpr std::uint32_t kIdx = kIndexMask<Shape>;
+  static_assert(kPackedBuffers<Shape> && Shape::kSlots == 1, "whole-warp rows");
+  std::uint32_t my_pm = 0u;  // packed key of pick sl
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    if (r >= K) break;  // uniform
+    const std::uint32_t pm = __reduce_max_sync(kFullMask, bp[0]);
+    if (sl == r) my_pm = pm;
+    if (bp[0] == pm) {  // the winner (a row's packed keys are distinct) pops its head
+#pragma unroll
+      for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
+      bp[D - 1] = 0u;
+    }
+  }
+  const bool has = sl < K;
+  const bool real = has && my_pm > kIdx;  // not a round in which every lane was dry
+  const int e = static_cast<int>(kIdx - (my_pm & kIdx));
+  pick_e[0] = has ? e : 0;
+  // Without the key fetch below a pick keeps its bucket: finish_row then only asks whether it is
+  // finite (it takes p from the logit when there is a bias), and the bucket of a finite key is
+  // finite too (the keys of +-inf are whole buckets).
+  pick_key[0] = real ? my_pm & ~kIdx : 0u;
+  const std::uint32_t last_bucket = __shfl_sync(kFullMask, my_pm, K - 1) & ~kIdx;
+  const bool dry = bp[0] <= kIdx;
+  const std::uint32_t hm_bucket = __reduce_max_sync(kFullMask, dry ? pnext : 0u) & ~kIdx;
+  bool exact = hm_bucket >= last_bucket;  // also when the last round found every lane dry
+  bool collided = false;
+  if (bucket_exact) {
+    pick_key[0] = real ? bucket_key<Shape>(my_pm) : 0u;
+  } else {
+    const std::uint32_t pn = __shfl_down_sync(kFullMask, my_pm, 1);
+    const bool pair_shared = sl + 1 < K && ((my_pm ^ pn) & ~kIdx) == 0u;
+    const bool head_in_last = !dry && (bp[0] & ~kIdx) == last_bucket;
+    const bool suspect = __any_sync(kFullMask, pair_shared || head_in_last);
+    if (keys_needed || suspect || exact) pick_key[0] = real ? full_key(e) : 0u;  // uniform
+    if (suspect) {                                                               // uniform
+      const std::uint32_t f = pick_key[0];
+      const std::uint32_t last_mk = __shfl_sync(kFullMask, f, K - 1);
+      const std::uint32_t fn = __shfl_down_sync(kFullMask, f, 1);
+      bool bad = pair_shared && f != fn;
+      if (head_in_last) {
+        const bool alone =
+            (D < 2 || (bp[D > 1 ? 1 : 0] & ~kIdx) != last_bucket) && (pnext & ~kIdx) != last_bucket;
+        bad = bad || !alone || full_key(static_cast<int>(kIdx - (bp[0] & kIdx))) != last_mk;
+      }
+      collided = __any_sync(kFullMask, bad);
+      exact = exact || collided;
+    }
+  }
   if (exact) {  // uniform
-    // After a collision of the packed pass they start over from the first pick.
-    // First round whose key is <= hm, over the whole warp (K for rows that passed).
-    int first = K;
+    std::uint32_t bk[D];
+    int bb[D];
 #pragma unroll
-    for (int s = 0; s < SL; ++s) {
-      const int k = s * W + sl;
-      if (k < K && (collided || pick_key[s] <= hm)) first = min(first, k);
+    for (int d = 0; d < D; ++d) {
+      bk[d] = 0u;
+      bb[d] = 0;
     }
-    const int r0 = static_cast<int>(__reduce_min_sync(kFullMask, static_cast<unsigned>(first)));
-    // Picks 0 .. r0 - 1 are the row's true top r0, i.e. every candidate that ranks at or above
-    // pick r0 - 1 (pk, pe). So each lane's remaining candidates are those ranking after it (all
-    // of them when r0 == 0): refill the buffers with the D best of those.
-    std::uint32_t pk = 0xffffffffu;  // above every key: "after" holds for every value
-    int pe = -1;
-    if (r0 > 0) {  // uniform
-      const int src = (r0 - 1) % W, slot = (r0 - 1) / W;
-#pragma unroll
-      for (int s = 0; s < SL; ++s) {  // s compile-time: the pick arrays stay in registers
-        const std::uint32_t ks = __shfl_sync(kFullMask, pick_key[s], src, W);
-        const int es = __shfl_sync(kFullMask, pick_e[s], src, W);
-        if (s == slot) {
-          pk = ks;
-          pe = es;
-        }
-      }
-    }
-    refill(bk, bb, next, pk, pe, lane4);
-    std::uint32_t gk = 0u;
-    int gb = 0;
-    // Exact rounds: a lane whose buffer runs dry shows `next` (the largest key it has left, see
-    // buffer_insert) as its head and claims the lowest expert index for it: a "ghost" that
-    // wins a round only when the lane may really hold the round's pick. Then the lane rescans
-    // its values for the next D candidates after its last pop (gk, gb) and the round is redone.
-    int ghost = 0;  // a full register: a bool here was packed into a byte (PRMT) every round
-    for (int r = r0; r < K;) {
-      const std::uint32_t head = bk[0];
-      const std::uint32_t mk = segment_max<W>(head);
-      const unsigned my_e = ghost != 0 ? 0u : static_cast<unsigned>(bb[0] + lane4);
-      const unsigned we = segment_min<W>(head == mk ? my_e : 0xffffffffu);
-      const bool won = head == mk && my_e == we;
-      const bool rescan = won && ghost != 0;
-      if (__any_sync(kFullMask, rescan)) {
-        if (rescan) {
-          // Next D candidates after the last pop (gk, gb; gb lane-relative).
-          refill(bk, bb, next, gk, gb, 0);
-          ghost = 0;
-        }
-        continue;  // redo the round (segments without a rescan get the same answer)
-      }
-#pragma unroll
-      for (int s = 0; s < SL; ++s) {
-        if (r == s * W + sl) {
-          pick_key[s] = mk;
-          pick_e[s] = static_cast<int>(we);
-        }
-      }
-      if (won) {
-        if (D == 1 || bk[D > 1 ? 1 : 0] == 0u) {
-          ghost = 1;
-          gk = bk[0];
-          gb = bb[0];
-          bk[0] = next;
-        } else {
-          buffer_pop<D>(bk, bb);
-        }
-      }
-      ++r;
-    }
+    std::uint32_t next = 0u;
+    // Every hidden key is <= hm_bucket | kIdx; refill rebuilds the full-key buffers.
+    exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, collided, hm_bucket | kIdx, refill);
   }
 }
 
@@ -1325,7 +1461,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   }
 
   // 4. Group limit.
-  unsigned char* srow = warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape>(p);
+  unsigned char* srow =
+      warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape, kPackedTopK>(p);
   if (p.group_path == kGroupChunks) {
     bool done = false;
     if constexpr (W == 32) {
@@ -1339,32 +1476,77 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     group_limit_generic<Shape>(p, key, srow, sl);
   }
 
-  // 5. Top-K (select_top_k).
-  std::uint32_t bk[D];
-  int bb[D];
-#pragma unroll
-  for (int d = 0; d < D; ++d) {
-    bk[d] = 0u;
-    bb[d] = 0;
-  }
-  std::uint32_t next = 0u;
-#pragma unroll
-  for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
+  // 5. Top-K. refill_from(stripe) is select_top_k's refill, with the keys of stripe i from
+  // stripe(i, keys).
   std::uint32_t pick_key[SL];
   int pick_e[SL];
-  select_top_k<Shape, kPackedTopK && Shape::S <= 4>(  // the wide shapes here have group limits: fp32 keys
-      K, sl, lane4, bk, bb, next, pick_key, pick_e, /*keys_needed=*/p.bias == nullptr,
-      [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
-        buffer_refill_after<Shape>(
-            [&](const auto& f) {
+  const auto refill_from = [&](const auto& stripe) {
+    return [&, stripe](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
+                       int lane_offset) {
+      buffer_refill_after<Shape>(
+          [&](const auto& f) {
 #pragma unroll
-              for (int i = 0; i < S; ++i) {
-                const std::uint32_t stripe[4] = {key[4 * i], key[4 * i + 1], key[4 * i + 2], key[4 * i + 3]};
-                f(i, stripe);
-              }
-            },
-            rk, rb, rn, k, e, lane_offset);
-      });
+            for (int i = 0; i < S; ++i) {
+              std::uint32_t keys[4];
+              stripe(i, keys);
+              f(i, keys);
+            }
+          },
+          rk, rb, rn, k, e, lane_offset);
+    };
+  };
+  // Packed candidate buffers (select_top_k_packed) where the shape and kPackedTopK allow.
+  constexpr bool packed = kPackedTopK && kPackedBuffers<Shape>;
+  if constexpr (packed) {
+    // Packed candidate buffers (select_top_k_packed). The full keys go to shared memory for the
+    // picks, the check and the exact rounds; expert e = 128 i + lane4 + c sits at skey[e].
+    std::uint32_t* skey = reinterpret_cast<std::uint32_t*>(srow + route_group_smem_bytes<Shape>(p));
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      *reinterpret_cast<uint4*>(skey + 4 * W * i + lane4) =
+          make_uint4(key[4 * i], key[4 * i + 1], key[4 * i + 2], key[4 * i + 3]);
+    }
+    __syncwarp();
+    constexpr std::uint32_t kIdx = kIndexMask<Shape>;
+    const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
+    std::uint32_t bp[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d) bp[d] = 0u;
+    std::uint32_t pnext = 0u;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      packed_insert<D>(bp, pnext,
+                       (key[j] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(j))));
+    const bool bucket_exact =
+        p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
+    select_top_k_packed<Shape>(
+        K, sl, lane4, bp, pnext, bucket_exact, [&](int e) { return skey[e]; }, pick_key, pick_e,
+        /*keys_needed=*/p.bias == nullptr, refill_from([&](int i, std::uint32_t(&keys)[4]) {
+          const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
+          keys[0] = q.x;
+          keys[1] = q.y;
+          keys[2] = q.z;
+          keys[3] = q.w;
+        }));
+  } else {
+    std::uint32_t bk[D];
+    int bb[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      bk[d] = 0u;
+      bb[d] = 0;
+    }
+    std::uint32_t next = 0u;
+#pragma unroll
+    for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
+    // The packed rounds of select_top_k are route_warp_wide's.
+    select_top_k<Shape, false>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
+                               /*keys_needed=*/p.bias == nullptr,
+                               refill_from([&](int i, std::uint32_t(&keys)[4]) {
+#pragma unroll
+                                 for (int c = 0; c < 4; ++c) keys[c] = key[4 * i + c];
+                               }));
+  }
 
   // 6, 7. Weights and outputs.
   finish_row<Shape>(p, K, row, row_ok, row_ptr, sm, sl, pick_key, pick_e, picks);

@@ -40,19 +40,16 @@ struct SpecGeneric {};
 template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarlyBias = false>
 struct Spec {};
 constexpr std::int64_t kEarlyBiasMaxTokens = 256;
-// kPackedTopK (route_warp.cuh, select_top_k): the packed top-K rounds, one warp reduction per round
-// instead of two, except in the sigmoid + bias kernels past kEarlyBiasMaxTokens. Measured on the
-// H200 against the plain rounds everywhere (us, same call): T = 1 deepseek-v3 fp32 2.48 / 2.71,
-// kimi-k2 2.28 / 2.52, qwen3-next 1.95 / 2.22, softmax-e256-k8 1.74 / 1.95; T = 65536 qwen3-235b
-// 26.7 / 27.9, softmax-e256-k8 43.3 / 45.1. With the packed rounds in those bias kernels too,
-// T = 1024 kimi-k2 fp32 4.48 / 4.22 and glm-4.5 4.39 / 4.16 (T = 65536 gained 1.5-4% there).
+// Top-K: whole-warp rows up to E = 512 with K >= 2 take route_warp's packed candidate buffers
+// (select_top_k_packed) in every kernel. Measured on the H200 against the previous form (packed
+// rounds over key / expert buffers, and plain rounds in the sigmoid + bias kernels past
+// kEarlyBiasMaxTokens), us, same call: see bench/results/README.md, session 11.
 
 template <class S>
 struct SpecTraits;
 template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
 struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
   static constexpr bool kEarlyBias = kEarly;
-  static constexpr bool kPackedTopK = !kBias || kEarly;
   // Wide rows (route_warp_wide): packed rounds only where the keys are the logits and these have at
   // most 10 bits of mantissa (bf16, fp16), which a bucket of 2048 experts keeps whole. Measured on
   // the H200 (wide-2048 bf16, us, same call): T = 4096 / 65536 29.4 / 299 against 31.4 / 319.
@@ -88,7 +85,6 @@ struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
 template <>
 struct SpecTraits<SpecGeneric> {
   static constexpr bool kEarlyBias = false;
-  static constexpr bool kPackedTopK = true;
   static constexpr bool kPackedWide = false;
   static bool matches(const RouteParams&) { return true; }
   __device__ __forceinline__ static void apply(RouteParams&) {}
@@ -111,8 +107,9 @@ constexpr int route_min_blocks() {
              : 1;
 }
 
-// kWide: route_warp_wide (E > 512 without a group limit) instead of route_warp.
-template <class Shape, class SpecT, bool kWide>
+// kWide: route_warp_wide (E > 512 without a group limit) instead of route_warp. kPackedTopK:
+// route_warp's packed candidate buffers (see launch_route_shape).
+template <class Shape, class SpecT, bool kWide, bool kPackedTopK>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT, kWide>())
     route_kernel(const RouteParams p0) {
   pdl_wait();  // before any global access (launch.cuh PDL contract)
@@ -129,16 +126,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   if constexpr (kWide) {
     routing::route_warp_wide<Shape, SpecTraits<SpecT>::kPackedWide>(p, first_row, nullptr);
   } else {
-    const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(p);
+    const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
     unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
-    routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias, SpecTraits<SpecT>::kPackedTopK>(
-        p, first_row, warp_smem, nullptr);
+    routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias, kPackedTopK>(p, first_row, warp_smem, nullptr);
   }
 }
 
-template <class Shape, class SpecT, bool kWide = false>
+template <class Shape, class SpecT, bool kWide = false, bool kPackedTopK = true>
 Status launch_route(const RouteParams& p, cudaStream_t stream) {
-  const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape>(p);
+  const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
   int warps_per_block = kWarpsPerBlock;
   if (smem_per_warp > 0) {
     const std::size_t fit = kMaxSmemPerBlock / smem_per_warp;
@@ -166,7 +162,7 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
   const std::int64_t rows_per_block = static_cast<std::int64_t>(warps_per_block) * Shape::kRowsPerWarp;
   const std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
   if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
-  return launch_kernel("route: kernel launch", route_kernel<Shape, SpecT, kWide>,
+  return launch_kernel("route: kernel launch", route_kernel<Shape, SpecT, kWide, kPackedTopK>,
                        dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(warps_per_block * 32)),
                        smem_per_warp * warps_per_block, stream, /*pdl=*/true, p);
 }
@@ -220,6 +216,9 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
     }
   }
   if constexpr (Shape::W == 32 && Shape::S <= 4) {
+    // K = 1 keeps the plain top-K pass: measured on the H200, llama4-maverick (E=128, K=1, generic
+    // kernel) at T = 16384 / 65536 took 7.92 / 26.75 us on the packed buffers against 6.77 / 22.03.
+    if (p.top_k < routing::dev::kPackedMinK) return launch_route<Shape, SpecGeneric, false, false>(p, stream);
     if (p.logits_dtype == static_cast<int>(DType::kFloat32))
       return launch_route_dtype<Shape, DType::kFloat32>(p, stream);
     if (p.logits_dtype == static_cast<int>(DType::kBFloat16))

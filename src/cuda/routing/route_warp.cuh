@@ -294,11 +294,13 @@ __host__ __device__ __forceinline__ std::size_t route_group_smem_bytes(const Rou
 }
 
 // Shared memory of one routed row: the group paths', then, for the packed candidate buffers of
-// whole-warp rows up to E = 512 (see select_top_k_packed; kPackedTopK), the row's selection keys.
+// whole-warp rows up to E = 512 (see select_top_k_packed; kPackedTopK), the row's selection keys
+// and, with a bias, its p.
 template <class Shape, bool kPackedTopK = true>
 __host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
   constexpr bool keys = kPackedTopK && Shape::W == 32 && Shape::S <= 4;
-  return route_group_smem_bytes<Shape>(p) + (keys ? std::size_t{4} * Shape::kMaxExperts : 0);
+  const std::size_t per_expert = !keys ? 0 : p.bias != nullptr ? 8 : 4;  // key (and p with a bias)
+  return route_group_smem_bytes<Shape>(p) + per_expert * Shape::kMaxExperts;
 }
 
 // Dynamic shared memory each warp of a Shape kernel must own for these parameters.
@@ -1208,11 +1210,14 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
 
 // Steps 6 and 7 of route_warp: the weights of the picks from their p (oracle:
 // detail::post_weights, sums in k order), then the outputs of the row (lane sl of its segment).
+// A pick's p comes from its key, or, where that does not give it (a bias; +-0 without a pre
+// function), from sp[e] (the row's p, when the caller kept it) or else the logit and the pre function.
 template <class Shape>
 __device__ __forceinline__ void finish_row(const RouteParams& p, int K, std::int64_t row, bool row_ok,
                                            const void* row_ptr, const SoftmaxRow& sm, int sl,
                                            const std::uint32_t (&pick_key)[Shape::kSlots],
-                                           const int (&pick_e)[Shape::kSlots], RoutedPicks<Shape>* picks) {
+                                           const int (&pick_e)[Shape::kSlots], const float* sp,
+                                           RoutedPicks<Shape>* picks) {
   constexpr int W = Shape::W, SL = Shape::kSlots;
   bool has[SL], fin[SL];
   float pv[SL];
@@ -1223,8 +1228,12 @@ __device__ __forceinline__ void finish_row(const RouteParams& p, int K, std::int
     pv[s] = key_score(pick_key[s]);
     const bool reload = p.bias != nullptr || (p.pre == PreFn::kNone && pick_key[s] == kZeroKey);
     if (fin[s] && reload) {
-      const float s_logit = load_one(row_ptr, p.logits_dtype, pick_e[s]);
-      pv[s] = p.pre == PreFn::kSoftmax ? softmax_pre(s_logit, sm) : elementwise_pre(p.pre, s_logit);
+      if (sp != nullptr) {
+        pv[s] = sp[pick_e[s]];
+      } else {
+        const float s_logit = load_one(row_ptr, p.logits_dtype, pick_e[s]);
+        pv[s] = p.pre == PreFn::kSoftmax ? softmax_pre(s_logit, sm) : elementwise_pre(p.pre, s_logit);
+      }
     }
   }
   float w[SL];
@@ -1430,6 +1439,24 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     for (int j = 0; j < V; ++j) v[j] = pre_slow(PreFn::kSqrtSoftplus, v[j]);
   }
 
+  // Shared memory of the row: the group paths' (srow), then, with the packed buffers, the keys
+  // (skey) and, with a bias, p for the weights (sp: the keys do not give it). p is stored here,
+  // while v still holds it (later v would stay live through the group step).
+  unsigned char* srow =
+      warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape, kPackedTopK>(p);
+  constexpr bool packed = kPackedTopK && kPackedBuffers<Shape>;
+  const float* sp = nullptr;
+  if constexpr (packed) {
+    if (p.bias != nullptr) {
+      float* spw = reinterpret_cast<float*>(srow + route_group_smem_bytes<Shape>(p)) + Shape::kMaxExperts;
+#pragma unroll
+      for (int i = 0; i < S; ++i)
+        *reinterpret_cast<float4*>(spw + 4 * W * i + lane4) =
+            make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+      sp = spw;
+    }
+  }
+
   // 3. Selection keys of q = canonical(p (+ bias)); 0 for experts past E.
   if (keys_ready) {
     // set by the fast softmax path
@@ -1461,8 +1488,6 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   }
 
   // 4. Group limit.
-  unsigned char* srow =
-      warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape, kPackedTopK>(p);
   if (p.group_path == kGroupChunks) {
     bool done = false;
     if constexpr (W == 32) {
@@ -1496,7 +1521,6 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     };
   };
   // Packed candidate buffers (select_top_k_packed) where the shape and kPackedTopK allow.
-  constexpr bool packed = kPackedTopK && kPackedBuffers<Shape>;
   if constexpr (packed) {
     // Packed candidate buffers (select_top_k_packed). The full keys go to shared memory for the
     // picks, the check and the exact rounds; expert e = 128 i + lane4 + c sits at skey[e].
@@ -1506,7 +1530,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
       *reinterpret_cast<uint4*>(skey + 4 * W * i + lane4) =
           make_uint4(key[4 * i], key[4 * i + 1], key[4 * i + 2], key[4 * i + 3]);
     }
-    __syncwarp();
+    __syncwarp();  // also for sp (step 3)
     constexpr std::uint32_t kIdx = kIndexMask<Shape>;
     const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
     std::uint32_t bp[D];
@@ -1549,7 +1573,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   }
 
   // 6, 7. Weights and outputs.
-  finish_row<Shape>(p, K, row, row_ok, row_ptr, sm, sl, pick_key, pick_e, picks);
+  finish_row<Shape>(p, K, row, row_ok, row_ptr, sm, sl, pick_key, pick_e, sp, picks);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1717,7 +1741,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
       [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
         buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset);
       });
-  finish_row<Shape>(p, K, row, true, row_ptr, sm, sl, pick_key, pick_e, picks);
+  finish_row<Shape>(p, K, row, true, row_ptr, sm, sl, pick_key, pick_e, /*sp=*/nullptr, picks);
 }
 
 }  // namespace switchyard::cuda::routing

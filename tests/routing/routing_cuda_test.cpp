@@ -59,6 +59,9 @@ enum class Kind {
   // with one expert per group and topk_group = K, the kept experts sit in three lanes' buffers,
   // which run dry before K picks (the packed top-K rounds then see rounds without a head).
   kDryBuffers,
+  // N(0, 1) - 8: every score of the row below zero (keys of negative bf16 / fp16 values have their
+  // low bits all ones, which route_warp.cuh's packed buffers restore from a pick's bucket).
+  kNegative,
 };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -76,6 +79,8 @@ const char* kind_name(Kind k) {
       return "near-tied";
     case Kind::kDryBuffers:
       return "dry-buffers";
+    case Kind::kNegative:
+      return "negative";
   }
   return "?";
 }
@@ -165,6 +170,11 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
         for (int e = 0; e < E; ++e) row[e] = e < 10 ? 1.0f : row[e] - 4.0f;
         row[E - 1] = (t % 2) ? 5.0f : std::numeric_limits<float>::infinity();
       }
+      return v;
+    }
+    case Kind::kNegative: {
+      std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
+      for (float& x : v) x -= 8.0f;
       return v;
     }
     case Kind::kSpecial:
@@ -626,6 +636,29 @@ TEST(RoutingCuda, DryBuffers) {
         c.T = 37;
         c.kind = Kind::kDryBuffers;
         c.logits_dtype = kLogitDtypes[i % 3];
+        vary(c, i);
+        ++i;
+        check_case(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// bf16 / fp16 logits without a pre function or bias: the packed buffers' keys are whole buckets
+// (no collision checks; a pick's key comes from its bucket), over ties, negative rows, lane-heavy
+// rows and every post function.
+TEST(RoutingCuda, BucketExactRows) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int E : {128, 160, 256, 384, 500, 512}) {
+    for (int K : {1, 2, 8, 10, 32}) {
+      for (Kind kind : {Kind::kTied, Kind::kNegative, Kind::kLaneHeavy, Kind::kNormal}) {
+        Case c;
+        c.config = make_config(E, K, PreFn::kNone, static_cast<PostFn>(i % 4));
+        c.T = large_t(i, 97);
+        c.kind = kind;
+        c.logits_dtype = (i % 2) ? DType::kFloat16 : DType::kBFloat16;
         vary(c, i);
         ++i;
         check_case(c);

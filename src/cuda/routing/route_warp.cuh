@@ -866,6 +866,26 @@ inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
 // every T.)
 inline constexpr int kPackedMinK = 2;
 
+// The packed top-K rounds of a whole-warp row (select_top_k's packed pass, select_top_k_packed):
+// K rounds of one redux.sync max over the lanes' packed heads bp[0]; the winner (a row's packed
+// keys are distinct) pops its head. Returns the packed key of pick sl (0 in lanes sl >= K).
+template <int D>
+__device__ __forceinline__ std::uint32_t packed_rounds(int K, int sl, std::uint32_t (&bp)[D]) {
+  std::uint32_t my_pm = 0u;
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    if (r >= K) break;  // uniform
+    const std::uint32_t pm = __reduce_max_sync(kFullMask, bp[0]);
+    if (sl == r) my_pm = pm;
+    if (bp[0] == pm) {
+#pragma unroll
+      for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
+      bp[D - 1] = 0u;
+    }
+  }
+  return my_pm;
+}
+
 // The plain fast pass of select_top_k: rounds of two segment reductions (max key, then min expert
 // among equal keys), at most kRounds of them.
 template <class Shape, int kRounds>
@@ -1034,18 +1054,7 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
 #pragma unroll
     for (int d = 0; d < D; ++d)
       bp[d] = bk[d] == 0u ? 0u : (bk[d] & ~kIdx) | (kIdx - static_cast<std::uint32_t>(bb[d] + lane4));
-    std::uint32_t my_pm = 0u;  // packed key of pick sl
-#pragma unroll
-    for (int r = 0; r < 32; ++r) {
-      if (r >= K) break;  // uniform
-      const std::uint32_t pm = __reduce_max_sync(kFullMask, bp[0]);
-      if (sl == r) my_pm = pm;
-      if (bp[0] == pm) {  // the winner (a row's packed keys are distinct) pops its head
-#pragma unroll
-        for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
-        bp[D - 1] = 0u;
-      }
-    }
+    const std::uint32_t my_pm = packed_rounds<D>(K, sl, bp);  // packed key of pick sl
     const bool has = sl < K;
     const unsigned e = has ? kIdx - (my_pm & kIdx) : 0u;
     pick_e[0] = static_cast<int>(e);
@@ -1158,18 +1167,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   constexpr int D = Shape::D;
   constexpr std::uint32_t kIdx = kIndexMask<Shape>;
   static_assert(kPackedBuffers<Shape> && Shape::kSlots == 1, "whole-warp rows");
-  std::uint32_t my_pm = 0u;  // packed key of pick sl
-#pragma unroll
-  for (int r = 0; r < 32; ++r) {
-    if (r >= K) break;  // uniform
-    const std::uint32_t pm = __reduce_max_sync(kFullMask, bp[0]);
-    if (sl == r) my_pm = pm;
-    if (bp[0] == pm) {  // the winner (a row's packed keys are distinct) pops its head
-#pragma unroll
-      for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
-      bp[D - 1] = 0u;
-    }
-  }
+  const std::uint32_t my_pm = packed_rounds<D>(K, sl, bp);  // packed key of pick sl
   const bool has = sl < K;
   const bool real = has && my_pm > kIdx;  // not a round in which every lane was dry
   const int e = static_cast<int>(kIdx - (my_pm & kIdx));

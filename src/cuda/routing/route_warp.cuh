@@ -1204,14 +1204,8 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
     }
   }
   if (exact) {  // uniform
-    std::uint32_t bk[D];
-    int bb[D];
-#pragma unroll
-    for (int d = 0; d < D; ++d) {
-      bk[d] = 0u;
-      bb[d] = 0;
-    }
-    std::uint32_t next = 0u;
+    std::uint32_t bk[D] = {}, next = 0u;
+    int bb[D] = {};
     // Every hidden key is <= hm_bucket | kIdx; refill rebuilds the full-key buffers.
     exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, collided, hm_bucket | kIdx, refill);
   }
@@ -1568,14 +1562,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
           keys[3] = q.w;
         }));
   } else {
-    std::uint32_t bk[D];
-    int bb[D];
-#pragma unroll
-    for (int d = 0; d < D; ++d) {
-      bk[d] = 0u;
-      bb[d] = 0;
-    }
-    std::uint32_t next = 0u;
+    std::uint32_t bk[D] = {}, next = 0u;
+    int bb[D] = {};
 #pragma unroll
     for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
     // The packed rounds of select_top_k are route_warp_wide's.

@@ -69,8 +69,8 @@
 //   inverted expert index orders (bits left, the "bucket", desc; expert asc), exact unless two
 //   keys share a bucket and differ, which a check after the rounds detects; then the exact rounds
 //   start from the first pick. Whole-warp rows up to E = 512 (kPackedTopK) keep packed keys in
-//   their buffers (insert = five min / max; one redux.sync per round; full keys in shared memory;
-//   select_top_k_packed); wide rows of bf16 / fp16 logits without a pre function pack their heads
+//   their buffers (insert = eight min / max per two values; one redux.sync per round; full keys in shared
+//   memory; select_top_k_packed); wide rows of bf16 / fp16 logits without a pre function pack their heads
 //   each round (select_top_k's packed pass; keys from the buffers, by shuffles).
 //   Groups. With group size G % 4 == 0 and at most 2 scores summed per group (top2_sum, max, topk_sum with
 //   K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert chunks in shared memory, lanes
@@ -1106,10 +1106,11 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
     exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, collided, hm, refill);  // uniform
 }
 
-// Packed candidate buffers (route_warp: whole-warp rows up to E = 512, K >= kPackedMinK). A lane
-// keeps packed keys only: a value's key with its low kIndexBits bits (the bucket is what is left)
-// replaced by the inverted expert index, so one unsigned compare orders (bucket desc, expert asc),
-// and the buffer insert is five min / max instructions instead of compares and selects on a key
+// Packed candidate buffers (route_warp with kPackedTopK: whole-warp rows up to E = 512; routing.cu
+// uses them for K >= kPackedMinK). A lane keeps packed keys only: a value's key with its low
+// kIndexBits bits (the bucket is what is left) replaced by the inverted expert index, so one
+// unsigned compare orders (bucket desc, expert asc), and the buffer insert is five min / max
+// instructions (eight per two values, packed_insert2) instead of compares and selects on a key
 // and an expert (the ALU pipe bounded these kernels at large T: ncu, 60-77% of its peak). The
 // key 0 of a non-candidate packs to bucket 0, below every real key (>= score_key(-inf)), so a lane
 // whose head has bucket 0 is dry.

@@ -50,10 +50,6 @@ struct SpecTraits;
 template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
 struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
   static constexpr bool kEarlyBias = kEarly;
-  // Wide rows (route_warp_wide): packed rounds only where the keys are the logits and these have at
-  // most 10 bits of mantissa (bf16, fp16), which a bucket of 2048 experts keeps whole. Measured on
-  // the H200 (wide-2048 bf16, us, same call): T = 4096 / 65536 29.4 / 299 against 31.4 / 319.
-  static constexpr bool kPackedWide = kPre == PreFn::kNone && !kBias && kDtype != DType::kFloat32;
   static bool matches(const RouteParams& p) {
     if (kEarly && p.num_tokens > kEarlyBiasMaxTokens) return false;
     if (p.logits_dtype != static_cast<int>(kDtype) || !p.logits_vec) return false;
@@ -85,10 +81,19 @@ struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
 template <>
 struct SpecTraits<SpecGeneric> {
   static constexpr bool kEarlyBias = false;
-  static constexpr bool kPackedWide = false;
   static bool matches(const RouteParams&) { return true; }
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
+
+// Wide rows (route_warp_wide): packed rounds only where the keys are the logits and these have at
+// most 10 bits of mantissa (bf16, fp16), which a bucket of 2048 experts keeps whole. Measured on
+// the H200 (wide-2048 bf16, us, same call): T = 4096 / 65536 29.4 / 299 against 31.4 / 319. (A
+// variable template rather than a SpecTraits member: only the wide kernels read it.)
+template <class SpecT>
+constexpr bool kPackedWide = false;
+template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
+constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> =
+    kPre == PreFn::kNone && !kBias && kDtype != DType::kFloat32;
 
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
@@ -124,7 +129,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * warps + warp) * Shape::kRowsPerWarp;
   if (first_row >= p.num_tokens) return;  // whole warp: no block-level barrier follows
   if constexpr (kWide) {
-    routing::route_warp_wide<Shape, SpecTraits<SpecT>::kPackedWide>(p, first_row, nullptr);
+    routing::route_warp_wide<Shape, kPackedWide<SpecT>>(p, first_row, nullptr);
   } else {
     const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
     unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;

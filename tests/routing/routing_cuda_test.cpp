@@ -62,6 +62,13 @@ enum class Kind {
   // N(0, 1) - 8: every score of the row below zero (keys of negative bf16 / fp16 values have their
   // low bits all ones, which route_warp.cuh's packed buffers restore from a pick's bucket).
   kNegative,
+  // Rows built for the packed buffers' check (route_warp.cuh, select_top_k_packed): N(0, 1) - 4,
+  // with expert p = 4 * l1 of lane l1 at x = 3 and, in a later lane l2 (its experts 4 * l2 + c in
+  // the first stripe), h = x and values one ulp above x after it: one bucket, p first in it. Even
+  // rows: h and one value above it; odd rows: lane l2's first expert at 5 (its first pick), then
+  // h and two values above it (the second one hidden outside the lane's buffer). A check that
+  // trusted a head equal to the last pick would keep p (K = 1, 2) where the oracle picks x + 1 ulp.
+  kHiddenInBucket,
 };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -81,6 +88,8 @@ const char* kind_name(Kind k) {
       return "dry-buffers";
     case Kind::kNegative:
       return "negative";
+    case Kind::kHiddenInBucket:
+      return "hidden-in-bucket";
   }
   return "?";
 }
@@ -175,6 +184,28 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
     case Kind::kNegative: {
       std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
       for (float& x : v) x -= 8.0f;
+      return v;
+    }
+    case Kind::kHiddenInBucket: {
+      std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
+      std::mt19937_64 g(seed ^ 0x94d049bb133111ebull);
+      const float x = 3.0f, above = std::nextafter(x, 4.0f);
+      for (std::int64_t t = 0; t < T; ++t) {
+        float* row = v.data() + t * E;
+        for (int e = 0; e < E; ++e) row[e] -= 4.0f;
+        const int l1 = static_cast<int>(g() % 31);
+        const int l2 = l1 + 1 + static_cast<int>(g() % static_cast<unsigned>(31 - l1));
+        row[4 * l1] = x;
+        if (t % 2 == 0) {
+          row[4 * l2 + 1] = x;
+          row[4 * l2 + 2] = above;
+        } else {
+          row[4 * l2] = 5.0f;
+          row[4 * l2 + 1] = x;
+          row[4 * l2 + 2] = above;
+          row[4 * l2 + 3] = above;
+        }
+      }
       return v;
     }
     case Kind::kSpecial:
@@ -659,6 +690,28 @@ TEST(RoutingCuda, BucketExactRows) {
         c.T = large_t(i, 97);
         c.kind = kind;
         c.logits_dtype = (i % 2) ? DType::kFloat16 : DType::kBFloat16;
+        vary(c, i);
+        ++i;
+        check_case(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Rows that a packed-buffer check trusting a head equal to the last pick would get wrong (see
+// Kind::kHiddenInBucket), fp32 logits, whole-warp rows.
+TEST(RoutingCuda, HiddenInBucket) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int E : {128, 256, 384, 512}) {
+    for (int K : {1, 2, 3}) {
+      for (int post : {0, 1}) {
+        Case c;
+        c.config = make_config(E, K, PreFn::kNone, static_cast<PostFn>(post));
+        c.T = 64;
+        c.kind = Kind::kHiddenInBucket;
+        c.logits_dtype = DType::kFloat32;
         vary(c, i);
         ++i;
         check_case(c);

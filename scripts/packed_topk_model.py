@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""A model, in Python, of the packed candidate buffers of src/cuda/routing/route_warp.cuh
+(select_top_k_packed): the lanes' packed buffers, the K packed rounds and the check after them.
+It fuzzes rows (near ties, exact ties, lane-heavy rows, group-limited rows, bf16 values,
+non-finite values) and asserts that whenever the check accepts the fast pass, its picks are the
+true top-K in (key desc, expert asc) order. It also reports how often the exact rounds run.
+
+This checks the algorithm, not the CUDA code (the GPU tests compare the kernels with the CPU
+oracle); run it after changing the check:
+  python3 scripts/packed_topk_model.py [seed] [rows]
+"""
+import random
+import struct
+import sys
+
+
+def fbits(x):
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def score_key(q):  # route_warp.cuh canonical_key: NaN -> -inf, -0 -> +0, ordered bits
+    if q != q:
+        q = float("-inf")
+    if q == 0:
+        q = 0.0
+    u = fbits(q)
+    return (u ^ (0xFFFFFFFF if u >> 31 else 0x80000000)) & 0xFFFFFFFF
+
+
+def bf16(x):
+    return struct.unpack("<f", struct.pack("<I", fbits(x) & 0xFFFF0000))[0]
+
+
+def route(keys, E, K, D=2, bucket_exact=False):
+    """Returns 'fast' (check passed; picks verified) or 'exact' (exact rounds would run)."""
+    S = (E + 127) // 128
+    kmax = 128 * S
+    bits = 7 if kmax <= 128 else 8 if kmax <= 256 else 9
+    kidx = (1 << bits) - 1
+    bp = [[0] * D for _ in range(32)]
+    pn = [0] * 32
+    for lane in range(32):  # packed_insert, value j of lane l is expert 128 i + 4 l + c
+        for j in range(4 * S):
+            i, c = divmod(j, 4)
+            e = 128 * i + 4 * lane + c
+            x = (keys[e] & ~kidx) | (kidx - e)
+            b = bp[lane]
+            pn[lane] = max(pn[lane], min(x, b[D - 1]))
+            for d in range(D - 1, 0, -1):
+                b[d] = max(b[d], min(x, b[d - 1]))
+            b[0] = max(b[0], x)
+    pms = []
+    for _ in range(K):  # packed_rounds
+        pm = max(b[0] for b in bp)
+        pms.append(pm)
+        for b in bp:
+            if b[0] == pm:
+                b[:] = b[1:] + [0]
+    real = [pm > kidx for pm in pms]
+    es = [kidx - (pm & kidx) for pm in pms]
+    last_bucket = pms[K - 1] & ~kidx
+    dry = [b[0] <= kidx for b in bp]
+    hm_bucket = max((pn[lane] if dry[lane] else 0) for lane in range(32)) & ~kidx
+    exact = hm_bucket >= last_bucket
+    if not bucket_exact:
+        pair_shared = any(((pms[k] ^ pms[k + 1]) & ~kidx) == 0 for k in range(K - 1))
+        head_in_last = [not dry[lane] and (bp[lane][0] & ~kidx) == last_bucket for lane in range(32)]
+        if pair_shared or any(head_in_last):
+            f = [keys[es[k]] if real[k] else 0 for k in range(K)]
+            bad = any(((pms[k] ^ pms[k + 1]) & ~kidx) == 0 and f[k] != f[k + 1] for k in range(K - 1))
+            for lane in range(32):
+                if head_in_last[lane]:
+                    b = bp[lane]
+                    alone = (D < 2 or (b[1] & ~kidx) != last_bucket) and (pn[lane] & ~kidx) != last_bucket
+                    if not alone or keys[kidx - (b[0] & kidx)] != f[K - 1]:
+                        bad = True
+            exact = exact or bad
+    if exact:
+        return "exact"
+    truth = sorted((e for e in range(kmax) if keys[e] != 0), key=lambda e: (-keys[e], e))[:K]
+    assert es == truth, (E, K, es, truth)
+    return "fast"
+
+
+def make_keys(kind, E, rng):
+    S = (E + 127) // 128
+    v = [rng.gauss(0, 1) for _ in range(E)]
+    if kind == "near":  # values a few hundred ulps apart
+        base = rng.gauss(1, 1)
+        v = [struct.unpack("<f", struct.pack("<I", fbits(base) + rng.randint(-600, 600)))[0]
+             if rng.random() < 0.5 else x for x in v]
+    elif kind == "nearties":  # 2-48 experts within 1-4 ulps of a base: exact ties in one bucket
+        base = fbits(4.5 + 0.25 * rng.randrange(8))  # above the N(0, 1) values
+        spread = rng.choice([2, 3, 4])
+        for _ in range(rng.choice([2, 3, 4, 6, 8, 16, 48])):
+            v[rng.randrange(E)] = struct.unpack("<f", struct.pack("<I", base + rng.randrange(spread)))[0]
+    elif kind == "hidden":  # as tests/routing Kind::kHiddenInBucket: the check's 'alone' test
+        v = [x - 4.0 for x in v]
+        x = 3.0
+        above = struct.unpack("<f", struct.pack("<I", fbits(x) + 1))[0]
+        l1 = rng.randrange(31)
+        l2 = l1 + 1 + rng.randrange(31 - l1)
+        v[4 * l1] = x
+        if rng.random() < 0.5:
+            v[4 * l2 + 1], v[4 * l2 + 2] = x, above
+        else:
+            v[4 * l2], v[4 * l2 + 1], v[4 * l2 + 2], v[4 * l2 + 3] = 5.0, x, above, above
+    elif kind == "ties":
+        v = [float(rng.randint(-3, 3)) for _ in range(E)]
+    elif kind == "lane":  # the best values in one lane's experts
+        lane = rng.randrange(32)
+        for i in range(S):
+            for c in range(4):
+                e = 128 * i + 4 * lane + c
+                if e < E:
+                    v[e] = 5 + rng.random() * 1e-3
+    elif kind == "bf16":
+        v = [bf16(x) for x in v]
+    elif kind == "bf16ties":
+        v = [bf16(rng.choice([0.5, 0.25, -0.5, 1.0, rng.gauss(0, 1)])) for _ in range(E)]
+    elif kind == "inf":
+        for _ in range(rng.randint(1, 12)):
+            v[rng.randrange(E)] = rng.choice([float("inf"), float("-inf"), float("nan")])
+    keys = [score_key(x) for x in v] + [0] * (128 * S - E)
+    if kind in ("group", "lane"):  # keep half of the groups: the others are key 0
+        g = rng.choice([8, 16])
+        if E % g == 0:
+            size = E // g
+            keep = set(rng.sample(range(g), max(1, g // 2)))
+            keys = [k if (e < E and (e // size) in keep) else 0 for e, k in enumerate(keys)]
+    return keys
+
+
+def main():
+    rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    rows = int(sys.argv[2]) if len(sys.argv) > 2 else 20000
+    stats = {}
+    for _ in range(rows):
+        E = rng.choice([72, 128, 160, 256, 257, 384, 500, 512])
+        kind = rng.choice(["rand", "near", "nearties", "hidden", "ties", "lane", "bf16", "bf16ties", "inf", "group"])
+        if kind == "hidden":
+            E = rng.choice([128, 256, 384, 512])
+        keys = make_keys(kind, E, rng)
+        K = rng.randint(1, 3) if kind == "hidden" else rng.randint(1, min(32, sum(1 for k in keys if k)))
+        r = route(keys, E, K, bucket_exact=kind.startswith("bf16"))
+        stats[(kind, r)] = stats.get((kind, r), 0) + 1
+    for k in sorted(stats):
+        print(*k, stats[k])
+    print(f"{rows} rows: every accepted fast pass was exact")
+
+
+if __name__ == "__main__":
+    main()

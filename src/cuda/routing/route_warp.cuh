@@ -859,6 +859,8 @@ inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
                                   : Shape::kMaxExperts <= 512  ? 9
                                   : Shape::kMaxExperts <= 1024 ? 10
                                                                : 11;
+template <class Shape>
+inline constexpr std::uint32_t kIndexMask = ~(~0u << kIndexBits<Shape>);
 // K = 1 takes the plain pass: one round saves less than the packed pass's checks cost (measured on
 // the H200, llama4-maverick E=128 K=1 fp32, T = 65536: 24.7 us packed rounds against 22.1 plain;
 // 26.75 on packed buffers against 22.03, so routing.cu's K = 1 kernels do not use those either).
@@ -1006,7 +1008,7 @@ __device__ __forceinline__ void exact_rounds(int K, int sl, int lane4, std::uint
 // candidates ranking after (k, e), as buffer_refill_after does; only the exact rounds call it.
 // keys_needed: pick_key must hold the picks' keys (finish_row takes a pick's p from its key when
 // there is no bias); otherwise the packed pass may leave a key's bucket there (same finiteness).
-template <class Shape, bool kPackedTopK, int kPlainRounds = (Shape::kSlots * Shape::W), class Refill>
+template <class Shape, bool kPackedTopK, class Refill>
 __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint32_t (&bk)[Shape::D],
                                              int (&bb)[Shape::D], std::uint32_t& next,
                                              std::uint32_t (&pick_key)[Shape::kSlots],
@@ -1040,8 +1042,8 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
     }
   };
   if constexpr (!kPackedTopK || !kPackedRounds<Shape>) {
-    plain(std::integral_constant<int, kPlainRounds>{});  // >= K
-  } else if (K < kPackedMinK) {                          // uniform
+    plain(std::integral_constant<int, SL * W>{});  // SL * W >= K
+  } else if (K < kPackedMinK) {                    // uniform
     plain(std::integral_constant<int, kPackedMinK - 1>{});
   } else {
     // Packed fast pass: one reduction per round instead of two. A head's packed key is its key
@@ -1049,7 +1051,7 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
     // index, so redux.sync max takes the largest bucket, lowest expert first: the exact order
     // unless two heads of one bucket have different keys. (bf16 logits without a pre function
     // never do: their low 16 bits are 0.)
-    constexpr std::uint32_t kIdx = ~(~0u << kIndexBits<Shape>);  // the index bits
+    constexpr std::uint32_t kIdx = kIndexMask<Shape>;  // the index bits
     std::uint32_t bp[D];
 #pragma unroll
     for (int d = 0; d < D; ++d)
@@ -1116,8 +1118,6 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
 // whose head has bucket 0 is dry.
 template <class Shape>
 inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 4;
-template <class Shape>
-inline constexpr std::uint32_t kIndexMask = ~(~0u << kIndexBits<Shape>);
 
 template <int D>
 __device__ __forceinline__ void packed_insert(std::uint32_t (&bp)[D], std::uint32_t& next, std::uint32_t x) {
@@ -1524,10 +1524,11 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
           rk, rb, rn, k, e, lane_offset);
     };
   };
-  // Packed candidate buffers (select_top_k_packed) where the shape and kPackedTopK allow.
   if constexpr (packed) {
     // Packed candidate buffers (select_top_k_packed). The full keys go to shared memory for the
-    // picks, the check and the exact rounds; expert e = 128 i + lane4 + c sits at skey[e].
+    // picks, the check and the exact rounds; expert e = 128 i + lane4 + c sits at skey[e]. (The
+    // address is recomputed rather than kept from step 3: holding it there cost the E = 256
+    // softmax kernel 9 registers.)
     std::uint32_t* skey = reinterpret_cast<std::uint32_t*>(srow + route_group_smem_bytes<Shape>(p));
 #pragma unroll
     for (int i = 0; i < S; ++i) {
@@ -1537,10 +1538,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     __syncwarp();  // also for sp (step 3)
     constexpr std::uint32_t kIdx = kIndexMask<Shape>;
     const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
-    std::uint32_t bp[D];
-#pragma unroll
-    for (int d = 0; d < D; ++d) bp[d] = 0u;
-    std::uint32_t pnext = 0u;
+    std::uint32_t bp[D] = {}, pnext = 0u;
     const auto packed_key = [&](int j) {
       return (key[j] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(j)));
     };

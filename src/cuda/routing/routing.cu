@@ -40,10 +40,6 @@ struct SpecGeneric {};
 template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarlyBias = false>
 struct Spec {};
 constexpr std::int64_t kEarlyBiasMaxTokens = 256;
-// Top-K: whole-warp rows up to E = 512 with K >= 2 take route_warp's packed candidate buffers
-// (select_top_k_packed) in every kernel. Measured on the H200 against the previous form (packed
-// rounds over key / expert buffers, and plain rounds in the sigmoid + bias kernels past
-// kEarlyBiasMaxTokens), us, same call: see bench/results/README.md, session 11.
 
 template <class S>
 struct SpecTraits;
@@ -221,6 +217,8 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
     }
   }
   if constexpr (Shape::W == 32 && Shape::S <= 4) {
+    // Top-K: K >= 2 takes route_warp's packed candidate buffers (select_top_k_packed) in every
+    // kernel below (measured against the earlier forms: bench/results/README.md, session 11).
     // K = 1 keeps the plain top-K pass: measured on the H200, llama4-maverick (E=128, K=1, generic
     // kernel) at T = 16384 / 65536 took 7.92 / 26.75 us on the packed buffers against 6.77 / 22.03.
     if (p.top_k < routing::dev::kPackedMinK) return launch_route<Shape, SpecGeneric, false, false>(p, stream);

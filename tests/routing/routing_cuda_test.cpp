@@ -451,6 +451,14 @@ std::int64_t large_t(int i, std::int64_t small) {
   return ((static_cast<unsigned>(i) * 2654435761u) >> 13) % 4 == 1 ? 1025 + (i % 13) : small;
 }
 
+// One step of a sweep: c with the i-th variation of vary, checked; i advances. False after a fatal
+// failure (the sweep stops there).
+bool check_varied(Case c, int& i) {
+  vary(c, i++);
+  check_case(c);
+  return !::testing::Test::HasFatalFailure();
+}
+
 // ---------------------------------------------------------------------------------------------
 
 // Every preset, every logits dtype and input kind, the odd small token counts.
@@ -467,9 +475,7 @@ TEST(RoutingCuda, PresetsSmallT) {
           c.T = T;
           c.logits_dtype = dt;
           c.kind = kind;
-          vary(c, i++);
-          check_case(c);
-          if (HasFatalFailure()) return;
+          if (!check_varied(c, i)) return;
         }
       }
     }
@@ -524,10 +530,7 @@ TEST(RoutingCuda, PrePostSweep) {
           c.T = large_t(i, E >= 2048 ? 19 : (i % 3 == 0 ? 111 : 19));
           c.logits_dtype = kLogitDtypes[i % 3];
           c.kind = kKinds[(i / 3) % 4];
-          vary(c, i);
-          ++i;
-          check_case(c);
-          if (HasFatalFailure()) return;
+          if (!check_varied(c, i)) return;
         }
       }
     }
@@ -551,10 +554,7 @@ TEST(RoutingCuda, ExpertCountBoundaries) {
       c.T = large_t(i, 37);
       c.logits_dtype = kLogitDtypes[i % 3];
       c.kind = kKinds[i % 4];
-      vary(c, i);
-      ++i;
-      check_case(c);
-      if (HasFatalFailure()) return;
+      if (!check_varied(c, i)) return;
     }
   }
 }
@@ -592,10 +592,7 @@ TEST(RoutingCuda, GroupLimits) {
       c.T = large_t(i, g.E >= 2048 ? 19 : 111);
       c.logits_dtype = kLogitDtypes[i % 3];
       c.kind = kKinds[(i / 3) % 4];
-      vary(c, i);
-      ++i;
-      check_case(c);
-      if (HasFatalFailure()) return;
+      if (!check_varied(c, i)) return;
     }
   }
 }
@@ -621,10 +618,7 @@ void sweep_kind(Kind kind, std::initializer_list<int> experts, std::initializer_
       c.T = large_t(i, small_t);
       c.kind = kind;
       c.logits_dtype = kLogitDtypes[i % 3];
-      vary(c, i);
-      ++i;
-      check_case(c);
-      if (::testing::Test::HasFatalFailure()) return;
+      if (!check_varied(c, i)) return;
     }
   }
 }
@@ -667,10 +661,7 @@ TEST(RoutingCuda, DryBuffers) {
         c.T = 37;
         c.kind = Kind::kDryBuffers;
         c.logits_dtype = kLogitDtypes[i % 3];
-        vary(c, i);
-        ++i;
-        check_case(c);
-        if (HasFatalFailure()) return;
+        if (!check_varied(c, i)) return;
       }
     }
   }
@@ -690,10 +681,7 @@ TEST(RoutingCuda, BucketExactRows) {
         c.T = large_t(i, 97);
         c.kind = kind;
         c.logits_dtype = (i % 2) ? DType::kFloat16 : DType::kBFloat16;
-        vary(c, i);
-        ++i;
-        check_case(c);
-        if (HasFatalFailure()) return;
+        if (!check_varied(c, i)) return;
       }
     }
   }
@@ -712,10 +700,7 @@ TEST(RoutingCuda, HiddenInBucket) {
         c.T = 64;
         c.kind = Kind::kHiddenInBucket;
         c.logits_dtype = DType::kFloat32;
-        vary(c, i);
-        ++i;
-        check_case(c);
-        if (HasFatalFailure()) return;
+        if (!check_varied(c, i)) return;
       }
     }
   }

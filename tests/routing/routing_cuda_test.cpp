@@ -687,6 +687,30 @@ TEST(RoutingCuda, BucketExactRows) {
   }
 }
 
+// The same for wide rows (route_warp_wide's packed buffers, E <= 2048): the specialised kernel of
+// bf16 logits, none -> softmax, no bias (aligned rows), and fp16 logits on the generic kernel; K = 1
+// and lane-heavy rows (a lane with more picks than its buffer holds: the exact rounds rescan).
+TEST(RoutingCuda, WideBucketExactRows) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int E : {520, 640, 1000, 1536, 2048}) {
+    for (int K : {1, 2, 8, 17, 32}) {
+      for (Kind kind : {Kind::kTied, Kind::kNegative, Kind::kLaneHeavy, Kind::kNormal, Kind::kNearTied}) {
+        Case c;
+        c.config = make_config(E, K, PreFn::kNone, PostFn::kSoftmax);
+        c.T = large_t(i, 97);
+        c.kind = kind;
+        c.logits_dtype = (i % 4 == 3) ? DType::kFloat16 : DType::kBFloat16;
+        c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
+        c.weights_dtype = (i % 3 == 2) ? DType::kBFloat16 : DType::kFloat32;
+        ++i;
+        check_case(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 // Rows that a packed-buffer check trusting a head equal to the last pick would get wrong (see
 // Kind::kHiddenInBucket), fp32 logits, whole-warp rows.
 TEST(RoutingCuda, HiddenInBucket) {
@@ -701,6 +725,39 @@ TEST(RoutingCuda, HiddenInBucket) {
         c.kind = Kind::kHiddenInBucket;
         c.logits_dtype = DType::kFloat32;
         if (!check_varied(c, i)) return;
+      }
+    }
+  }
+}
+
+// Sigmoid + fp32 bias -> normalize (the Kimi / GLM / DeepSeek-V3 rule) past T = 256, on the
+// specialised kernels (aligned rows, fp32 bias), with near-tied rows (values a few ulps apart at
+// the K-th pick, see Kind::kNearTied), group limits on the lane path and, for E = 384, the chunk
+// path, and the usual kinds. (Written for a verified-selection experiment that selected on an
+// approximate sigmoid, session 12, rejected: bench/results/README.md; it keeps the exact kernels'
+// near ties covered.)
+TEST(RoutingCuda, SigmoidBiasNearTies) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int E : {96, 128, 160, 256, 384, 512}) {
+    for (int K : {2, 8, 10, 31}) {
+      for (Kind kind : {Kind::kNearTied, Kind::kNormal, Kind::kTied, Kind::kSpecial, Kind::kWide}) {
+        Case c;
+        c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+        if (E % 8 == 0 && K <= E / 2 && i % 2 == 0) {
+          c.config.group_rule = (i % 4 == 0) ? GroupRule::kTop2Sum : GroupRule::kMax;
+          c.config.n_group = 8;
+          c.config.topk_group = 4;
+        }
+        c.bias = true;  // fp32, aligned rows: the specialised kernels
+        c.T = 300 + 97 * (i % 7);
+        c.kind = kind;
+        c.logits_dtype = (i % 3 == 1) ? DType::kBFloat16 : DType::kFloat32;
+        c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
+        c.weights_dtype = (i % 5 == 2) ? DType::kBFloat16 : DType::kFloat32;
+        ++i;
+        check_case(c);
+        if (HasFatalFailure()) return;
       }
     }
   }

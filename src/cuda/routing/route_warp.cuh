@@ -29,7 +29,8 @@
 //   warp (W = 32, any S) without a group limit, holding one batch of stripes in registers instead
 //   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
 //   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 512, any K;
-//       see Top-K below); route_warp_wide: the packed top-K rounds.
+//       see Top-K below); route_warp_wide: the same buffers up to E = 2048 (bf16 / fp16 logits
+//       without pre function or bias only), the packed top-K rounds past it.
 //
 // DESIGN
 //   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64, fewer for E <= 64 so
@@ -1167,7 +1168,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
                                                     const Refill& refill) {
   constexpr int D = Shape::D;
   constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-  static_assert(kPackedBuffers<Shape> && Shape::kSlots == 1, "whole-warp rows");
+  static_assert(kPackedRounds<Shape> && Shape::kSlots == 1, "whole-warp rows, E <= 2048");
   const std::uint32_t my_pm = packed_rounds<D>(K, sl, bp);  // packed key of pick sl
   const bool has = sl < K;
   const bool real = has && my_pm > kIdx;  // not a round in which every lane was dry
@@ -1591,7 +1592,10 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 // H200, wide-2048 (E = 2048, K = 32, none -> softmax), us at T = 1 / 4096 / 65536, against
 // route_warp: fp32 6.07 / 31.7 / 314 (8.34 / 49.8 / 625), bf16 5.94 / 31.3 / 320 (9.70 / 66.7 /
 // 936). ncu at T = 65536: ~2900 warp instructions per row, issue-bound (SM throughput 87%); the
-// candidate-buffer insert of every value (~20 instructions) is the largest part.
+// candidate-buffer insert of every value (~20 instructions) is the largest part. For bf16 / fp16
+// logits without pre function or bias (kPackedTopK) the buffers hold packed keys, as route_warp's
+// do (five min / max per value; every bucket holds one key, so no collision check): wide-2048 bf16
+// 4.58 / 23.8 / 219 us (session 12).
 
 // Stripe i of a lane in a wide row: its logits (absent experts -inf) and, when the pass asked for
 // it and there is a bias, its bias.
@@ -1723,26 +1727,45 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
     });
   };
 
-  // Candidate buffers, then select_top_k (its exact rounds rescan through visit_keys).
-  std::uint32_t bk[D];
-  int bb[D];
-#pragma unroll
-  for (int d = 0; d < D; ++d) {
-    bk[d] = 0u;
-    bb[d] = 0;
-  }
-  std::uint32_t next = 0u;
-  visit_keys([&](int i, const std::uint32_t(&key)[4]) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) buffer_insert<D>(bk, bb, next, key[c], value_base<Shape>(4 * i + c));
-  });
+  // Candidate buffers, then the top-K (the exact rounds rescan through visit_keys).
   std::uint32_t pick_key[SL];
   int pick_e[SL];
-  select_top_k<Shape, kPackedTopK>(
-      K, sl, lane4, bk, bb, next, pick_key, pick_e, /*keys_needed=*/p.bias == nullptr,
-      [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e, int lane_offset) {
-        buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset);
-      });
+  const auto refill = [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
+                          int lane_offset) { buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset); };
+  if constexpr (kPackedTopK && kPackedRounds<Shape>) {
+    // Packed candidate buffers (route_warp's, see select_top_k_packed): kPackedTopK is set for
+    // bf16 / fp16 logits without pre function or bias only (routing.cu, kPackedWide), whose every
+    // bucket holds one key, so the packed pass needs no collision check and no full keys (the
+    // full_key below is for the contract: it is not called on that path).
+    constexpr std::uint32_t kIdx = kIndexMask<Shape>;
+    const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
+    std::uint32_t bp[D] = {}, pnext = 0u;
+    visit_keys([&](int i, const std::uint32_t(&key)[4]) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        packed_insert<D>(bp, pnext,
+                         (key[c] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c))));
+    });
+    select_top_k_packed<Shape>(
+        K, sl, lane4, bp, pnext, /*bucket_exact=*/true,
+        [&](int e) { return canonical_key(load_one(row_ptr, p.logits_dtype, e)); }, pick_key, pick_e,
+        /*keys_needed=*/true, refill);
+  } else {
+    std::uint32_t bk[D];
+    int bb[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      bk[d] = 0u;
+      bb[d] = 0;
+    }
+    std::uint32_t next = 0u;
+    visit_keys([&](int i, const std::uint32_t(&key)[4]) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) buffer_insert<D>(bk, bb, next, key[c], value_base<Shape>(4 * i + c));
+    });
+    select_top_k<Shape, kPackedTopK>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
+                                     /*keys_needed=*/p.bias == nullptr, refill);
+  }
   finish_row<Shape>(p, K, row, true, row_ptr, sm, sl, pick_key, pick_e, /*sp=*/nullptr, picks);
 }
 

@@ -81,10 +81,12 @@ struct SpecTraits<SpecGeneric> {
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
 
-// Wide rows (route_warp_wide): packed rounds only where the keys are the logits and these have at
-// most 10 bits of mantissa (bf16, fp16), which a bucket of 2048 experts keeps whole. Measured on
-// the H200 (wide-2048 bf16, us, same call): T = 4096 / 65536 29.4 / 299 against 31.4 / 319. (A
-// variable template rather than a SpecTraits member: only the wide kernels read it.)
+// Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; packed rounds past it) only
+// where the keys are the logits and these have at most 10 bits of mantissa (bf16, fp16), which a
+// bucket of 2048 experts keeps whole. Measured on the H200 (wide-2048 bf16, us, same call): packed
+// rounds T = 4096 / 65536 29.4 / 299 against 31.4 / 319 (session 10); packed buffers 23.8 / 219
+// against 29.4 / 298 (session 12). (A variable template rather than a SpecTraits member: only the
+// wide kernels read it.)
 template <class SpecT>
 constexpr bool kPackedWide = false;
 template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>

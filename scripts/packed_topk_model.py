@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
 """A model, in Python, of the packed candidate buffers of src/cuda/routing/route_warp.cuh
-(select_top_k_packed): the lanes' packed buffers, the K packed rounds and the check after them.
-It fuzzes rows (near ties, exact ties, lane-heavy rows, group-limited rows, bf16 values,
-non-finite values) and asserts that whenever the check accepts the fast pass, its picks are the
-true top-K in (key desc, expert asc) order. It also reports how often the exact rounds run.
+(select_top_k_packed): the lanes' packed buffers, the K packed rounds and the check after them,
+in the kSortRepair form (route_warp_wide): two neighbouring picks of one bucket with different
+keys send the row to the exact rounds in the last pick's bucket and have the picks sorted above
+it (route_warp, without kSortRepair, takes the exact rounds for both: a stricter check). Expert
+counts up to 2048 with route_warp_wide's buffer depths. It fuzzes rows (near ties, exact ties,
+lane-heavy rows, group-limited rows, bf16 values, non-finite values) and asserts that whenever
+the check accepts the fast pass (sorted or not), its picks are the true top-K in (key desc,
+expert asc) order. It also reports how often the exact rounds run and how often the sort does.
 
 This checks the algorithm, not the CUDA code (the GPU tests compare the kernels with the CPU
 oracle); run it after changing the check:
@@ -31,11 +35,13 @@ def bf16(x):
     return struct.unpack("<f", struct.pack("<I", fbits(x) & 0xFFFF0000))[0]
 
 
-def route(keys, E, K, D=2, bucket_exact=False):
+def route(keys, E, K, D=None, bucket_exact=False):
     """Returns 'fast' (check passed; picks verified) or 'exact' (exact rounds would run)."""
     S = (E + 127) // 128
     kmax = 128 * S
-    bits = 7 if kmax <= 128 else 8 if kmax <= 256 else 9
+    if D is None:  # route_warp's depth 2 up to E = 512, route_warp_wide's 3 / 4 past it
+        D = 2 if S <= 4 else 3 if S <= 8 else 4
+    bits = 7 if kmax <= 128 else 8 if kmax <= 256 else 9 if kmax <= 512 else 10 if kmax <= 1024 else 11
     kidx = (1 << bits) - 1
     bp = [[0] * D for _ in range(32)]
     pn = [0] * 32
@@ -62,12 +68,17 @@ def route(keys, E, K, D=2, bucket_exact=False):
     dry = [b[0] <= kidx for b in bp]
     hm_bucket = max((pn[lane] if dry[lane] else 0) for lane in range(32)) & ~kidx
     exact = hm_bucket >= last_bucket
+    unordered = False
     if not bucket_exact:
         pair_shared = any(((pms[k] ^ pms[k + 1]) & ~kidx) == 0 for k in range(K - 1))
         head_in_last = [not dry[lane] and (bp[lane][0] & ~kidx) == last_bucket for lane in range(32)]
         if pair_shared or any(head_in_last):
             f = [keys[es[k]] if real[k] else 0 for k in range(K)]
-            bad = any(((pms[k] ^ pms[k + 1]) & ~kidx) == 0 and f[k] != f[k + 1] for k in range(K - 1))
+            differs = [((pms[k] ^ pms[k + 1]) & ~kidx) == 0 and f[k] != f[k + 1] for k in range(K - 1)]
+            # Two picks of one bucket with different keys: in the last pick's bucket the exact rounds
+            # run; above it every candidate of the bucket is a pick, so sorting the picks repairs it.
+            bad = any(d and (pms[k] & ~kidx) == last_bucket for k, d in enumerate(differs))
+            unordered = any(differs)
             for lane in range(32):
                 if head_in_last[lane]:
                     b = bp[lane]
@@ -77,9 +88,11 @@ def route(keys, E, K, D=2, bucket_exact=False):
             exact = exact or bad
     if exact:
         return "exact"
+    if unordered:  # the picks sorted by (key desc, expert asc)
+        es = sorted(es, key=lambda e: (-keys[e], e))
     truth = sorted((e for e in range(kmax) if keys[e] != 0), key=lambda e: (-keys[e], e))[:K]
     assert es == truth, (E, K, es, truth)
-    return "fast"
+    return "sorted" if unordered else "fast"
 
 
 def make_keys(kind, E, rng):
@@ -136,7 +149,7 @@ def main():
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 20000
     stats = {}
     for _ in range(rows):
-        E = rng.choice([72, 128, 160, 256, 257, 384, 500, 512])
+        E = rng.choice([72, 128, 160, 256, 257, 384, 500, 512, 640, 1000, 2048])
         kind = rng.choice(["rand", "near", "nearties", "hidden", "ties", "lane", "bf16", "bf16ties", "inf", "group"])
         if kind == "hidden":
             E = rng.choice([128, 256, 384, 512])

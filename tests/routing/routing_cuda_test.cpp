@@ -687,26 +687,42 @@ TEST(RoutingCuda, BucketExactRows) {
   }
 }
 
-// The same for wide rows (route_warp_wide's packed buffers, E <= 2048): the specialised kernel of
-// bf16 logits, none -> softmax, no bias (aligned rows), and fp16 logits on the generic kernel; K = 1
-// and lane-heavy rows (a lane with more picks than its buffer holds: the exact rounds rescan).
-TEST(RoutingCuda, WideBucketExactRows) {
+// Wide rows on packed buffers (route_warp_wide, E <= 2048, logits without pre function or bias):
+// the specialised kernels of none -> softmax (aligned rows) with bf16 logits (every bucket holds one
+// key; every T) and with fp32 logits from kWidePackedMinTokens = 16384 rows on (near-tied rows put
+// neighbouring picks in one bucket: sorted above the last pick's bucket, the exact rounds in it),
+// and fp16 logits on the generic kernel; K = 1, lane-heavy rows (a lane with more picks than its
+// buffer holds: the exact rounds rescan) and rows with a candidate hidden in the last pick's bucket.
+TEST(RoutingCuda, WidePackedRows) {
   SY_SKIP_WITHOUT_GPU();
+  const Kind kinds[] = {Kind::kTied,     Kind::kNegative, Kind::kLaneHeavy,
+                        Kind::kNormal,   Kind::kNearTied, Kind::kHiddenInBucket};
   int i = 0;
+  const auto run = [&](int E, int K, Kind kind, DType dt, std::int64_t T) {
+    Case c;
+    c.config = make_config(E, K, PreFn::kNone, PostFn::kSoftmax);
+    c.T = T;
+    c.kind = kind;
+    c.logits_dtype = dt;
+    c.ids_dtype = (i % 3 == 1) ? DType::kInt64 : DType::kInt32;
+    c.weights_dtype = (i % 5 == 2) ? DType::kBFloat16 : DType::kFloat32;
+    ++i;
+    check_case(c);
+  };
   for (int E : {520, 640, 1000, 1536, 2048}) {
     for (int K : {1, 2, 8, 17, 32}) {
-      for (Kind kind : {Kind::kTied, Kind::kNegative, Kind::kLaneHeavy, Kind::kNormal, Kind::kNearTied}) {
-        Case c;
-        c.config = make_config(E, K, PreFn::kNone, PostFn::kSoftmax);
-        c.T = large_t(i, 97);
-        c.kind = kind;
-        c.logits_dtype = (i % 4 == 3) ? DType::kFloat16 : DType::kBFloat16;
-        c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
-        c.weights_dtype = (i % 3 == 2) ? DType::kBFloat16 : DType::kFloat32;
-        ++i;
-        check_case(c);
+      for (Kind kind : kinds) {
+        run(E, K, kind, (i % 4 == 3) ? DType::kFloat16 : (i % 2) ? DType::kFloat32 : DType::kBFloat16,
+            large_t(i, 97));
         if (HasFatalFailure()) return;
       }
+    }
+  }
+  // fp32 logits on the packed buffers (the CPU oracle is the slow part: kept few).
+  for (int E : {1000, 2048}) {
+    for (Kind kind : {Kind::kNearTied, Kind::kLaneHeavy, Kind::kHiddenInBucket, Kind::kNormal}) {
+      run(E, E == 2048 ? 32 : 8, kind, DType::kFloat32, 16384);
+      if (HasFatalFailure()) return;
     }
   }
 }

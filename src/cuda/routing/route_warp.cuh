@@ -29,8 +29,8 @@
 //   warp (W = 32, any S) without a group limit, holding one batch of stripes in registers instead
 //   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
 //   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 512, any K;
-//       see Top-K below); route_warp_wide: the same buffers up to E = 2048 (bf16 / fp16 logits
-//       without pre function or bias only), the packed top-K rounds past it.
+//       see Top-K below); route_warp_wide: the same buffers up to E = 2048 (logits without pre
+//       function or bias only), the packed top-K rounds past it.
 //
 // DESIGN
 //   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64, fewer for E <= 64 so
@@ -71,8 +71,10 @@
 //   keys share a bucket and differ, which a check after the rounds detects; then the exact rounds
 //   start from the first pick. Whole-warp rows up to E = 512 (kPackedTopK) keep packed keys in
 //   their buffers (insert = eight min / max per two values; one redux.sync per round; full keys in shared
-//   memory; select_top_k_packed); wide rows of bf16 / fp16 logits without a pre function pack their heads
-//   each round (select_top_k's packed pass; keys from the buffers, by shuffles).
+//   memory; select_top_k_packed); so do wide rows without pre function or bias up to E = 2048 (bf16 /
+//   fp16 logits, and fp32 ones from kWidePackedMinTokens rows on; full keys reloaded from the logits),
+//   where two picks of one bucket above the last pick's are sorted instead of redone; past E = 2048
+//   bf16 / fp16 rows pack their heads each round (select_top_k's packed pass; keys by shuffles).
 //   Groups. With group size G % 4 == 0 and at most 2 scores summed per group (top2_sum, max, topk_sum with
 //   K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert chunks in shared memory, lanes
 //   merge the chunks of one group each, and topk_group rounds of segment reductions pick the groups. Any
@@ -1147,20 +1149,52 @@ __device__ __forceinline__ std::uint32_t bucket_key(std::uint32_t x) {
   return (b & 0x80000000u) != 0u ? b : (b | kIndexMask<Shape>);
 }
 
+// Sorts the picks of lanes 0..K-1 (key, e; distinct experts) by key desc, expert asc: a bitonic
+// sort over the first w lanes, w the smallest power of two >= K (lanes K..w-1 enter as the lowest
+// pair). Lanes >= K leave with key 0, e 0.
+__device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, int& e) {
+  int w = 2;
+  while (w < K) w <<= 1;
+  if (sl >= K) {
+    key = 0u;
+    e = 0x7fffffff;
+  }
+  for (int k = 2; k <= w; k <<= 1) {
+    const bool desc = (sl & k) == 0;  // this lane's run of k is sorted best first (all, at k = w)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const std::uint32_t ok = __shfl_xor_sync(kFullMask, key, j);
+      const int oe = __shfl_xor_sync(kFullMask, e, j);
+      const bool other_better = ok > key || (ok == key && oe < e);
+      const bool other_worse = ok < key || (ok == key && oe > e);
+      // The lower lane of the pair keeps the better one in a descending run, the worse otherwise.
+      if (((sl & j) == 0) == desc ? other_better : other_worse) {
+        key = ok;
+        e = oe;
+      }
+    }
+  }
+  if (sl >= K) {
+    key = 0u;
+    e = 0;
+  }
+}
+
 // Step 5 of route_warp on packed buffers (bp, next: see packed_insert): the packed fast pass of
 // select_top_k, one redux.sync per round, then a check.
 // - Every candidate in a bucket above the last pick's is a pick or hidden outside a dry lane's
 //   buffer (a lane's head ranks after the last pick, its buffer and hidden keys after its head).
 // - So the picks are exact unless: a dry lane hides a bucket at or above the last pick's (then the
 //   exact rounds run from the first pick whose key could be at or below a hidden one); two
-//   neighbouring picks share a bucket with different keys; or a lane's head is in the last pick's
-//   bucket and might hide a key there that outranks the last pick (its head's key differs from
-//   the last pick's, or its next candidate, buffered or hidden, is in that bucket too). The last
-//   two restart the exact rounds from the first pick.
+//   neighbouring picks share a bucket with different keys (kSortRepair: the exact rounds in the
+//   last pick's bucket, sort_picks above it, as such a bucket is all picks; else the exact rounds
+//   wherever it is); or a lane's head is in the last
+//   pick's bucket and might hide a key there that outranks the last pick (its head's key differs
+//   from the last pick's, or its next candidate, buffered or hidden, is in that bucket too). The
+//   exact rounds then restart from the first pick. (scripts/packed_topk_model.py fuzzes this.)
 // - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
 //   the dry-lane test remains and a pick's key comes from its bucket.
 // full_key(e): the key of expert e of the row; refill as for select_top_k (full keys).
-template <class Shape, class FullKey, class Refill>
+template <class Shape, bool kSortRepair, class FullKey, class Refill>
 __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, std::uint32_t (&bp)[Shape::D],
                                                     std::uint32_t pnext, bool bucket_exact,
                                                     const FullKey& full_key, std::uint32_t (&pick_key)[1],
@@ -1183,6 +1217,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   const std::uint32_t hm_bucket = __reduce_max_sync(kFullMask, dry ? pnext : 0u) & ~kIdx;
   bool exact = hm_bucket >= last_bucket;  // also when the last round found every lane dry
   bool collided = false;
+  bool unordered = false;  // picks of one bucket above the last pick's out of key order
   if (bucket_exact) {
     pick_key[0] = real ? bucket_key<Shape>(my_pm) : 0u;
   } else {
@@ -1195,13 +1230,20 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
       const std::uint32_t f = pick_key[0];
       const std::uint32_t last_mk = __shfl_sync(kFullMask, f, K - 1);
       const std::uint32_t fn = __shfl_down_sync(kFullMask, f, 1);
-      bool bad = pair_shared && f != fn;
+      // Two neighbouring picks of one bucket with different keys. In the last pick's bucket the
+      // exact rounds run. Above it only their order can be wrong: the rounds take every candidate of
+      // a bucket before any of a lower one, so a bucket above the last pick's is all picks; sorting
+      // the picks repairs the order (sort_picks, below).
+      const bool differs = pair_shared && f != fn;
+      bool bad = differs && (!kSortRepair || (my_pm & ~kIdx) == last_bucket);
       if (head_in_last) {
         const bool alone =
             (D < 2 || (bp[D > 1 ? 1 : 0] & ~kIdx) != last_bucket) && (pnext & ~kIdx) != last_bucket;
         bad = bad || !alone || full_key(static_cast<int>(kIdx - (bp[0] & kIdx))) != last_mk;
       }
-      collided = __any_sync(kFullMask, bad);
+      if constexpr (kSortRepair) unordered = __any_sync(kFullMask, differs);
+      // The exact rounds keep the picks before the first doubtful one only if they are in order.
+      collided = __any_sync(kFullMask, bad) || (exact && unordered);
       exact = exact || collided;
     }
   }
@@ -1210,6 +1252,8 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
     int bb[D] = {};
     // Every hidden key is <= hm_bucket | kIdx; refill rebuilds the full-key buffers.
     exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, collided, hm_bucket | kIdx, refill);
+  } else if (kSortRepair && unordered) {  // uniform
+    sort_picks(K, sl, pick_key[0], pick_e[0]);
   }
 }
 
@@ -1552,7 +1596,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     }
     const bool bucket_exact =
         p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
-    select_top_k_packed<Shape>(
+    select_top_k_packed<Shape, false>(
         K, sl, lane4, bp, pnext, bucket_exact, [&](int e) { return skey[e]; }, pick_key, pick_e,
         /*keys_needed=*/p.bias == nullptr, refill_from([&](int i, std::uint32_t(&keys)[4]) {
           const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
@@ -1676,6 +1720,11 @@ __device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, int lane4
   }
 }
 
+// Rows from which route_warp_wide puts fp32 logits on packed buffers. Measured on the H200
+// (wide-2048 fp32, us, same call, packed against plain buffers): T = 16 / 1024 / 4096 / 16384 /
+// 65536 12.2 / 19.3 / 32.4 / 78.6 / 260 against 9.4 / 14.8 / 31.2 / 88.7 / 312 (session 12).
+constexpr std::int64_t kWidePackedMinTokens = 16384;
+
 // route_warp's contract (see the top of this file) for Shape::W == 32 and p.group_path ==
 // kGroupNone; warp_smem is not used. The caller skips warps whose row is past T.
 template <class Shape, bool kPackedTopK = false>
@@ -1732,25 +1781,34 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   int pick_e[SL];
   const auto refill = [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
                           int lane_offset) { buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset); };
+  // Packed candidate buffers (route_warp's, see select_top_k_packed): kPackedTopK is set for logits
+  // without pre function or bias only (routing.cu, kPackedWide), so a key is the logit's: full_key
+  // reloads it (the checks ask for the picks' keys and some heads'; L1 / L2 hits). bf16 / fp16
+  // logits have one key per bucket: no collision check and no full keys. fp32 logits take them
+  // from kWidePackedMinTokens rows on only: their checks (reloads, the sort of the picks, exact
+  // rounds from the first pick after a collision) lengthen a row, which costs where the rows'
+  // latency is the call's.
+  bool packed = false;  // uniform
   if constexpr (kPackedTopK && kPackedRounds<Shape>) {
-    // Packed candidate buffers (route_warp's, see select_top_k_packed): kPackedTopK is set for
-    // bf16 / fp16 logits without pre function or bias only (routing.cu, kPackedWide), whose every
-    // bucket holds one key, so the packed pass needs no collision check and no full keys (the
-    // full_key below is for the contract: it is not called on that path).
-    constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-    const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
-    std::uint32_t bp[D] = {}, pnext = 0u;
-    visit_keys([&](int i, const std::uint32_t(&key)[4]) {
+    const bool bucket_exact = p.logits_dtype != static_cast<int>(DType::kFloat32);
+    packed = bucket_exact || p.num_tokens >= kWidePackedMinTokens;
+    if (packed) {
+      constexpr std::uint32_t kIdx = kIndexMask<Shape>;
+      const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
+      std::uint32_t bp[D] = {}, pnext = 0u;
+      visit_keys([&](int i, const std::uint32_t(&key)[4]) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        packed_insert<D>(bp, pnext,
-                         (key[c] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c))));
-    });
-    select_top_k_packed<Shape>(
-        K, sl, lane4, bp, pnext, /*bucket_exact=*/true,
-        [&](int e) { return canonical_key(load_one(row_ptr, p.logits_dtype, e)); }, pick_key, pick_e,
-        /*keys_needed=*/true, refill);
-  } else {
+        for (int c = 0; c < 4; ++c)
+          packed_insert<D>(bp, pnext,
+                           (key[c] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c))));
+      });
+      select_top_k_packed<Shape, true>(
+          K, sl, lane4, bp, pnext, bucket_exact,
+          [&](int e) { return canonical_key(load_one(row_ptr, p.logits_dtype, e)); }, pick_key, pick_e,
+          /*keys_needed=*/true, refill);
+    }
+  }
+  if (!packed) {
     std::uint32_t bk[D];
     int bb[D];
 #pragma unroll
@@ -1763,8 +1821,14 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
 #pragma unroll
       for (int c = 0; c < 4; ++c) buffer_insert<D>(bk, bb, next, key[c], value_base<Shape>(4 * i + c));
     });
-    select_top_k<Shape, kPackedTopK>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
-                                     /*keys_needed=*/p.bias == nullptr, refill);
+    // Packed rounds (select_top_k's packed pass) for bf16 / fp16 keys only (E > 2048 here).
+    if (!kPackedTopK || p.logits_dtype == static_cast<int>(DType::kFloat32)) {
+      select_top_k<Shape, false>(K, sl, lane4, bk, bb, next, pick_key, pick_e, /*keys_needed=*/p.bias == nullptr,
+                                 refill);
+    } else {
+      select_top_k<Shape, kPackedTopK>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
+                                       /*keys_needed=*/p.bias == nullptr, refill);
+    }
   }
   finish_row<Shape>(p, K, row, true, row_ptr, sm, sl, pick_key, pick_e, /*sp=*/nullptr, picks);
 }

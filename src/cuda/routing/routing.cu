@@ -81,17 +81,16 @@ struct SpecTraits<SpecGeneric> {
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
 
-// Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; packed rounds past it) only
-// where the keys are the logits and these have at most 10 bits of mantissa (bf16, fp16), which a
-// bucket of 2048 experts keeps whole. Measured on the H200 (wide-2048 bf16, us, same call): packed
-// rounds T = 4096 / 65536 29.4 / 299 against 31.4 / 319 (session 10); packed buffers 23.8 / 219
-// against 29.4 / 298 (session 12). (A variable template rather than a SpecTraits member: only the
-// wide kernels read it.)
+// Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; packed rounds past it) where
+// the keys are the logits (no pre function, no bias), which the checks reload for the few experts
+// they ask about. Measured on the H200 (wide-2048, us, same call): bf16 packed rounds T = 4096 /
+// 65536 29.4 / 299 against 31.4 / 319 (session 10); bf16 packed buffers 23.8 / 219 against 29.4 /
+// 298 (session 12). (A variable template rather than a SpecTraits member: only the wide kernels
+// read it.)
 template <class SpecT>
 constexpr bool kPackedWide = false;
 template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
-constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> =
-    kPre == PreFn::kNone && !kBias && kDtype != DType::kFloat32;
+constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> = kPre == PreFn::kNone && !kBias;
 
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the

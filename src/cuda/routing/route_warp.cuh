@@ -1187,10 +1187,10 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 //   exact rounds run from the first pick whose key could be at or below a hidden one); two
 //   neighbouring picks share a bucket with different keys (kSortRepair: the exact rounds in the
 //   last pick's bucket, sort_picks above it, as such a bucket is all picks; else the exact rounds
-//   wherever it is); or a lane's head is in the last
-//   pick's bucket and might hide a key there that outranks the last pick (its head's key differs
-//   from the last pick's, or its next candidate, buffered or hidden, is in that bucket too). The
-//   exact rounds then restart from the first pick. (scripts/packed_topk_model.py fuzzes this.)
+//   wherever it is); or a lane's head is in the last pick's bucket and might hide a key there that
+//   outranks the last pick (its head's key differs from the last pick's, or its next candidate,
+//   buffered or hidden, is in that bucket too). The exact rounds then restart from the first pick.
+//   (scripts/packed_topk_model.py fuzzes this.)
 // - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
 //   the dry-lane test remains and a pick's key comes from its bucket.
 // full_key(e): the key of expert e of the row; refill as for select_top_k (full keys).
@@ -1636,10 +1636,11 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 // H200, wide-2048 (E = 2048, K = 32, none -> softmax), us at T = 1 / 4096 / 65536, against
 // route_warp: fp32 6.07 / 31.7 / 314 (8.34 / 49.8 / 625), bf16 5.94 / 31.3 / 320 (9.70 / 66.7 /
 // 936). ncu at T = 65536: ~2900 warp instructions per row, issue-bound (SM throughput 87%); the
-// candidate-buffer insert of every value (~20 instructions) is the largest part. For bf16 / fp16
-// logits without pre function or bias (kPackedTopK) the buffers hold packed keys, as route_warp's
-// do (five min / max per value; every bucket holds one key, so no collision check): wide-2048 bf16
-// 4.58 / 23.8 / 219 us (session 12).
+// candidate-buffer insert of every value (~20 instructions) is the largest part. For logits without
+// pre function or bias (kPackedTopK) the buffers hold packed keys, as route_warp's do (five min /
+// max per value): bf16 / fp16 (every bucket holds one key, no collision check) at every T, fp32
+// from kWidePackedMinTokens rows on. Session 12, us: wide-2048 bf16 4.54 / 23.8 / 219, fp32 T =
+// 16384 / 65536 79.4 / 261 (was 88.6 / 313).
 
 // Stripe i of a lane in a wide row: its logits (absent experts -inf) and, when the pass asked for
 // it and there is a bias, its bias.

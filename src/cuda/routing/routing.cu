@@ -83,9 +83,10 @@ struct SpecTraits<SpecGeneric> {
 
 // Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; packed rounds past it) where
 // the keys are the logits (no pre function, no bias), which the checks reload for the few experts
-// they ask about. Measured on the H200 (wide-2048, us, same call): bf16 packed rounds T = 4096 /
-// 65536 29.4 / 299 against 31.4 / 319 (session 10); bf16 packed buffers 23.8 / 219 against 29.4 /
-// 298 (session 12). (A variable template rather than a SpecTraits member: only the wide kernels
+// they ask about (fp32 logits from route_warp_wide's kWidePackedMinTokens rows on). Measured on the
+// H200 (wide-2048, us, same call): bf16 packed rounds T = 4096 / 65536 29.4 / 299 against 31.4 /
+// 319 (session 10); packed buffers bf16 23.8 / 219 against 29.4 / 298, fp32 T = 65536 261 against
+// 313 (session 12). (A variable template rather than a SpecTraits member: only the wide kernels
 // read it.)
 template <class SpecT>
 constexpr bool kPackedWide = false;

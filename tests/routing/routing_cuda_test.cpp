@@ -459,6 +459,16 @@ bool check_varied(Case c, int& i) {
   return !::testing::Test::HasFatalFailure();
 }
 
+// The same for sweeps of the specialised kernels: only the ids and weights dtypes vary with i, so
+// that the rows stay aligned and the bias fp32 (what routing.cu's Specs require).
+bool check_aligned(Case c, int& i) {
+  c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
+  c.weights_dtype = (i % 5 == 2) ? DType::kBFloat16 : DType::kFloat32;
+  ++i;
+  check_case(c);
+  return !::testing::Test::HasFatalFailure();
+}
+
 // ---------------------------------------------------------------------------------------------
 
 // Every preset, every logits dtype and input kind, the odd small token counts.
@@ -704,25 +714,21 @@ TEST(RoutingCuda, WidePackedRows) {
     c.T = T;
     c.kind = kind;
     c.logits_dtype = dt;
-    c.ids_dtype = (i % 3 == 1) ? DType::kInt64 : DType::kInt32;
-    c.weights_dtype = (i % 5 == 2) ? DType::kBFloat16 : DType::kFloat32;
-    ++i;
-    check_case(c);
+    return check_aligned(c, i);
   };
   for (int E : {520, 640, 1000, 1536, 2048}) {
     for (int K : {1, 2, 8, 17, 32}) {
       for (Kind kind : kinds) {
-        run(E, K, kind, (i % 4 == 3) ? DType::kFloat16 : (i % 2) ? DType::kFloat32 : DType::kBFloat16,
-            large_t(i, 97));
-        if (HasFatalFailure()) return;
+        if (!run(E, K, kind, (i % 4 == 3) ? DType::kFloat16 : (i % 2) ? DType::kFloat32 : DType::kBFloat16,
+                 large_t(i, 97)))
+          return;
       }
     }
   }
   // fp32 logits on the packed buffers (the CPU oracle is the slow part: kept few).
   for (int E : {1000, 2048}) {
     for (Kind kind : {Kind::kNearTied, Kind::kLaneHeavy, Kind::kHiddenInBucket, Kind::kNormal}) {
-      run(E, E == 2048 ? 32 : 8, kind, DType::kFloat32, 16384);
-      if (HasFatalFailure()) return;
+      if (!run(E, E == 2048 ? 32 : 8, kind, DType::kFloat32, 16384)) return;
     }
   }
 }
@@ -769,11 +775,7 @@ TEST(RoutingCuda, SigmoidBiasNearTies) {
         c.T = 300 + 97 * (i % 7);
         c.kind = kind;
         c.logits_dtype = (i % 3 == 1) ? DType::kBFloat16 : DType::kFloat32;
-        c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
-        c.weights_dtype = (i % 5 == 2) ? DType::kBFloat16 : DType::kFloat32;
-        ++i;
-        check_case(c);
-        if (HasFatalFailure()) return;
+        if (!check_aligned(c, i)) return;
       }
     }
   }

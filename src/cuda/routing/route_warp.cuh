@@ -30,7 +30,7 @@
 //   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
 //   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 512, any K;
 //       see Top-K below); route_warp_wide: the same buffers up to E = 2048 (logits without pre
-//       function or bias only), the packed top-K rounds past it.
+//       function or bias only).
 //
 // DESIGN
 //   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64, fewer for E <= 64 so
@@ -73,8 +73,7 @@
 //   their buffers (insert = eight min / max per two values; one redux.sync per round; full keys in shared
 //   memory; select_top_k_packed); so do wide rows without pre function or bias up to E = 2048 (bf16 /
 //   fp16 logits, and fp32 ones from kWidePackedMinTokens rows on; full keys reloaded from the logits),
-//   where two picks of one bucket above the last pick's are sorted instead of redone; past E = 2048
-//   bf16 / fp16 rows pack their heads each round (select_top_k's packed pass; keys by shuffles).
+//   where two picks of one bucket above the last pick's are sorted instead of redone.
 //   Groups. With group size G % 4 == 0 and at most 2 scores summed per group (top2_sum, max, topk_sum with
 //   K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert chunks in shared memory, lanes
 //   merge the chunks of one group each, and topk_group rounds of segment reductions pick the groups. Any
@@ -296,12 +295,17 @@ __host__ __device__ __forceinline__ std::size_t route_group_smem_bytes(const Rou
   return (head + static_cast<std::size_t>(p.n_group) * 5 + 15) / 16 * 16;
 }
 
+// route_warp's packed candidate buffers (kPackedTopK; see packed_insert): whole-warp rows up to
+// E = 512.
+template <class Shape>
+inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 4;
+
 // Shared memory of one routed row: the group paths', then, for the packed candidate buffers of
 // whole-warp rows up to E = 512 (see select_top_k_packed; kPackedTopK), the row's selection keys
 // and, with a bias, its p.
 template <class Shape, bool kPackedTopK = true>
 __host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
-  constexpr bool keys = kPackedTopK && Shape::W == 32 && Shape::S <= 4;
+  constexpr bool keys = kPackedTopK && kPackedBuffers<Shape>;
   const std::size_t per_expert = !keys ? 0 : p.bias != nullptr ? 8 : 4;  // key (and p with a bias)
   return route_group_smem_bytes<Shape>(p) + per_expert * Shape::kMaxExperts;
 }
@@ -848,13 +852,10 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
   __syncwarp();
 }
 
-// The packed fast pass of select_top_k: whole-warp rows of up to 2048 experts. route_warp_wide uses
-// it where its kernel asks (kPackedTopK): with 10-11 index bits the buckets of fp32 keys are coarse
-// (12-13 bits of mantissa) and rows with one shared bucket among their picks would be common, but
-// bf16 / fp16 logits without a pre function fit whole. (route_warp's rows up to E = 512 keep packed
-// keys in their buffers instead: select_top_k_packed.)
+// Packed keys (select_top_k_packed) index the experts of whole-warp rows of up to 2048 experts in
+// their low 7-11 bits.
 template <class Shape>
-inline constexpr bool kPackedRounds = Shape::W == 32 && Shape::S <= 16;
+inline constexpr bool kPackedKeys = Shape::W == 32 && Shape::S <= 16;
 // Bits of an expert index below Shape::kMaxExperts.
 template <class Shape>
 inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
@@ -871,7 +872,7 @@ inline constexpr std::uint32_t kIndexMask = ~(~0u << kIndexBits<Shape>);
 // every T.)
 inline constexpr int kPackedMinK = 2;
 
-// The packed top-K rounds of a whole-warp row (select_top_k's packed pass, select_top_k_packed):
+// The packed top-K rounds of a whole-warp row (select_top_k_packed):
 // K rounds of one redux.sync max over the lanes' packed heads bp[0]; the winner (a row's packed
 // keys are distinct) pops its head. Returns the packed key of pick sl (0 in lanes sl >= K).
 template <int D>
@@ -1009,14 +1010,11 @@ __device__ __forceinline__ void exact_rounds(int K, int sl, int lane4, std::uint
 // the exact rounds (ghosts and rescans) redo the rounds from the first pick that is not certainly
 // right. refill(bk, bb, next, k, e, lane_offset) refills a lane's buffer with its D best
 // candidates ranking after (k, e), as buffer_refill_after does; only the exact rounds call it.
-// keys_needed: pick_key must hold the picks' keys (finish_row takes a pick's p from its key when
-// there is no bias); otherwise the packed pass may leave a key's bucket there (same finiteness).
-template <class Shape, bool kPackedTopK, class Refill>
+template <class Shape, class Refill>
 __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint32_t (&bk)[Shape::D],
                                              int (&bb)[Shape::D], std::uint32_t& next,
                                              std::uint32_t (&pick_key)[Shape::kSlots],
-                                             int (&pick_e)[Shape::kSlots], bool keys_needed,
-                                             const Refill& refill) {
+                                             int (&pick_e)[Shape::kSlots], const Refill& refill) {
   constexpr int W = Shape::W, D = Shape::D, V = Shape::kValues, SL = Shape::kSlots;
 #pragma unroll
   for (int s = 0; s < SL; ++s) {
@@ -1033,82 +1031,12 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
   // resume after them. With D >= V a lane's buffer holds all its candidates (nothing is ever
   // hidden; every row has at least K candidates of key > 0, so last_mk > 0): the fast pass is
   // exact and the check goes.
-  bool exact = false;     // run the exact rounds
-  bool collided = false;  // packed pass: start them from the first pick
-  std::uint32_t hm = 0u;  // the largest key hidden outside a dry lane's buffer
-  const auto plain = [&](auto rounds) {
-    const std::uint32_t last_mk =
-        plain_fast_pass<Shape, decltype(rounds)::value>(K, sl, lane4, bk, bb, pick_key, pick_e);
-    if (D < V) {
-      hm = segment_max<W>(bk[0] == 0u ? next : 0u);
-      exact = __any_sync(kFullMask, hm >= last_mk);
-    }
-  };
-  if constexpr (!kPackedTopK || !kPackedRounds<Shape>) {
-    plain(std::integral_constant<int, SL * W>{});  // SL * W >= K
-  } else if (K < kPackedMinK) {                    // uniform
-    plain(std::integral_constant<int, kPackedMinK - 1>{});
-  } else {
-    // Packed fast pass: one reduction per round instead of two. A head's packed key is its key
-    // with the low kIndexBits bits (the bucket is what is left) replaced by the inverted expert
-    // index, so redux.sync max takes the largest bucket, lowest expert first: the exact order
-    // unless two heads of one bucket have different keys. (bf16 logits without a pre function
-    // never do: their low 16 bits are 0.)
-    constexpr std::uint32_t kIdx = kIndexMask<Shape>;  // the index bits
-    std::uint32_t bp[D];
-#pragma unroll
-    for (int d = 0; d < D; ++d)
-      bp[d] = bk[d] == 0u ? 0u : (bk[d] & ~kIdx) | (kIdx - static_cast<std::uint32_t>(bb[d] + lane4));
-    const std::uint32_t my_pm = packed_rounds<D>(K, sl, bp);  // packed key of pick sl
-    const bool has = sl < K;
-    const unsigned e = has ? kIdx - (my_pm & kIdx) : 0u;
-    pick_e[0] = static_cast<int>(e);
-    pick_key[0] = has ? my_pm & ~kIdx : 0u;
-    // The buckets of the picks do not increase (a lane's buffer is sorted by key), so picks of one
-    // bucket are consecutive; a candidate left in a buffer can outrank a pick only from that
-    // pick's bucket, which is then the last pick's (a lane's head bounds its buffer). Without two
-    // neighbouring picks, or a lane's head and the last pick, in one bucket, and with every hidden
-    // key below the last pick's bucket, the picks are exact.
-    const std::uint32_t last_bucket = __shfl_sync(kFullMask, my_pm, K - 1) & ~kIdx;
-    const std::uint32_t pn = __shfl_down_sync(kFullMask, my_pm, 1);
-    const bool shared =
-        (sl + 1 < K && ((my_pm ^ pn) & ~kIdx) == 0u) || (bp[0] != 0u && (bp[0] & ~kIdx) == last_bucket);
-    hm = segment_max<W>(bp[0] == 0u ? next : 0u);
-    const bool suspect = hm >= last_bucket || __any_sync(kFullMask, shared);
-    if (keys_needed || suspect) {  // uniform
-      // The picks' keys, from the buffers they came from (lane (e / 4) % 32 still holds pick sl
-      // in bk / bb: the packed pass only pops bp).
-      // A round in which every lane was dry (pm == 0; only with a group limit) names no expert:
-      // its e = kIdx may be a real one, still in its lane's bk / bb. Its key stays 0.
-      const bool real = has && my_pm != 0u;
-      const int owner = static_cast<int>((e >> 2) & 31u);
-      const int rel = static_cast<int>(e) - 4 * owner;
-      std::uint32_t f = 0u;
-#pragma unroll
-      for (int d = 0; d < D; ++d) {
-        const std::uint32_t kd = __shfl_sync(kFullMask, bk[d], owner);
-        const int bd = __shfl_sync(kFullMask, bb[d], owner);
-        f = (real && bd == rel && kd != 0u) ? kd : f;  // an empty slot's bb is stale
-      }
-      pick_key[0] = f;
-    }
-    if (suspect) {  // uniform: the same checks on the keys
-      const std::uint32_t f = pick_key[0];
-      const std::uint32_t last_mk = __shfl_sync(kFullMask, f, K - 1);
-      const std::uint32_t fn = __shfl_down_sync(kFullMask, f, 1);
-      const bool pair_collides = sl + 1 < K && (f ^ fn) - 1u < kIdx;  // same bucket, other key
-      bool head_collides = false;
-      if (bp[0] != 0u && ((bp[0] ^ last_mk) & ~kIdx) == 0u) {
-        const int hb = static_cast<int>(kIdx - (bp[0] & kIdx)) - lane4;
-#pragma unroll
-        for (int d = 0; d < D; ++d) head_collides |= bb[d] == hb && bk[d] != 0u && bk[d] != last_mk;
-      }
-      collided = __any_sync(kFullMask, pair_collides || head_collides);
-      exact = collided || hm >= last_mk;
-    }
+  const std::uint32_t last_mk = plain_fast_pass<Shape, SL * W>(K, sl, lane4, bk, bb, pick_key, pick_e);  // SL * W >= K
+  if constexpr (D < V) {
+    const std::uint32_t hm = segment_max<W>(bk[0] == 0u ? next : 0u);  // the largest hidden key
+    if (__any_sync(kFullMask, hm >= last_mk))                            // uniform
+      exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, /*collided=*/false, hm, refill);
   }
-  if (exact)
-    exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, collided, hm, refill);  // uniform
 }
 
 // Packed candidate buffers (route_warp with kPackedTopK: whole-warp rows up to E = 512; routing.cu
@@ -1118,9 +1046,8 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
 // instructions (eight per two values, packed_insert2) instead of compares and selects on a key
 // and an expert (the ALU pipe bounded these kernels at large T: ncu, 60-77% of its peak). The
 // key 0 of a non-candidate packs to bucket 0, below every real key (>= score_key(-inf)), so a lane
-// whose head has bucket 0 is dry.
-template <class Shape>
-inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 4;
+// whose head has bucket 0 is dry. (kPackedBuffers<Shape>, the shapes that have them, is defined
+// with the shared memory sizes.)
 
 template <int D>
 __device__ __forceinline__ void packed_insert(std::uint32_t (&bp)[D], std::uint32_t& next, std::uint32_t x) {
@@ -1179,8 +1106,8 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
   }
 }
 
-// Step 5 of route_warp on packed buffers (bp, next: see packed_insert): the packed fast pass of
-// select_top_k, one redux.sync per round, then a check.
+// Step 5 of route_warp on packed buffers (bp, next: see packed_insert): K packed rounds
+// (packed_rounds, one redux.sync each), then a check.
 // - Every candidate in a bucket above the last pick's is a pick or hidden outside a dry lane's
 //   buffer (a lane's head ranks after the last pick, its buffer and hidden keys after its head).
 // - So the picks are exact unless: a dry lane hides a bucket at or above the last pick's (then the
@@ -1202,7 +1129,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
                                                     const Refill& refill) {
   constexpr int D = Shape::D;
   constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-  static_assert(kPackedRounds<Shape> && Shape::kSlots == 1, "whole-warp rows, E <= 2048");
+  static_assert(kPackedKeys<Shape> && Shape::kSlots == 1, "whole-warp rows, E <= 2048");
   const std::uint32_t my_pm = packed_rounds<D>(K, sl, bp);  // packed key of pick sl
   const bool has = sl < K;
   const bool real = has && my_pm > kIdx;  // not a round in which every lane was dry
@@ -1610,13 +1537,11 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     int bb[D] = {};
 #pragma unroll
     for (int j = 0; j < V; ++j) buffer_insert<D>(bk, bb, next, key[j], value_base<Shape>(j));
-    // The packed rounds of select_top_k are route_warp_wide's.
-    select_top_k<Shape, false>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
-                               /*keys_needed=*/p.bias == nullptr,
-                               refill_from([&](int i, std::uint32_t(&keys)[4]) {
+    select_top_k<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
+                        refill_from([&](int i, std::uint32_t(&keys)[4]) {
 #pragma unroll
-                                 for (int c = 0; c < 4; ++c) keys[c] = key[4 * i + c];
-                               }));
+                          for (int c = 0; c < 4; ++c) keys[c] = key[4 * i + c];
+                        }));
   }
 
   // 6, 7. Weights and outputs.
@@ -1790,7 +1715,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   // rounds from the first pick after a collision) lengthen a row, which costs where the rows'
   // latency is the call's.
   bool packed = false;  // uniform
-  if constexpr (kPackedTopK && kPackedRounds<Shape>) {
+  if constexpr (kPackedTopK && kPackedKeys<Shape>) {
     const bool bucket_exact = p.logits_dtype != static_cast<int>(DType::kFloat32);
     packed = bucket_exact || p.num_tokens >= kWidePackedMinTokens;
     if (packed) {
@@ -1822,14 +1747,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
 #pragma unroll
       for (int c = 0; c < 4; ++c) buffer_insert<D>(bk, bb, next, key[c], value_base<Shape>(4 * i + c));
     });
-    // Packed rounds (select_top_k's packed pass) for bf16 / fp16 keys only (E > 2048 here).
-    if (!kPackedTopK || p.logits_dtype == static_cast<int>(DType::kFloat32)) {
-      select_top_k<Shape, false>(K, sl, lane4, bk, bb, next, pick_key, pick_e, /*keys_needed=*/p.bias == nullptr,
-                                 refill);
-    } else {
-      select_top_k<Shape, kPackedTopK>(K, sl, lane4, bk, bb, next, pick_key, pick_e,
-                                       /*keys_needed=*/p.bias == nullptr, refill);
-    }
+    select_top_k<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, refill);
   }
   finish_row<Shape>(p, K, row, true, row_ptr, sm, sl, pick_key, pick_e, /*sp=*/nullptr, picks);
 }

@@ -81,7 +81,7 @@ struct SpecTraits<SpecGeneric> {
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
 
-// Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; packed rounds past it) where
+// Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; plain ones past it) where
 // the keys are the logits (no pre function, no bias), which the checks reload for the few experts
 // they ask about (fp32 logits from route_warp_wide's kWidePackedMinTokens rows on). Measured on the
 // H200 (wide-2048, us, same call): bf16 packed rounds T = 4096 / 65536 29.4 / 299 against 31.4 /

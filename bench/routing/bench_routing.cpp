@@ -1,6 +1,7 @@
 // Routing benchmark (issue 3; method in ../shared/BENCHMARKING.md): every preset of
 // switchyard::model_presets() plus the "softmax-e256-k8" configuration of the issue's E=256
-// target (softmax over E, top-8, renormalize: what vLLM's topk_softmax computes), at
+// target (softmax over E, top-8, renormalize: what vLLM's topk_softmax computes) and four at the
+// expert counts 576 and 896 that the issue names (see configs()), at
 // T = 1, 16, 128, 256, 1024, 4096, 16384, 65536, fp32 and bf16 logits. Per point: 20 calls captured
 // in a CUDA graph, 200 replays, median per call. Inputs are fresh random logits; when one set
 // fits in L2 (60 MB) the calls rotate over several sets so that most reads come from HBM.
@@ -72,6 +73,30 @@ std::vector<BenchConfig> configs() {
   s.routing.pre = switchyard::PreFn::kSoftmax;
   s.routing.post = switchyard::PostFn::kNormalize;
   out.push_back(s);
+  // Expert counts past 512 that the issue names as real (576, 896), with the two rule families
+  // of the presets: sigmoid + bias -> normalize (with and without a group limit) and none ->
+  // softmax. General targets (max(2 us, 1.3 x floor)).
+  const auto add = [&](const char* name, int E, switchyard::PreFn pre, switchyard::PostFn post, bool bias,
+                       int n_group) {
+    BenchConfig c;
+    c.name = name;
+    c.routing.num_experts = E;
+    c.routing.top_k = 8;
+    c.routing.pre = pre;
+    c.routing.post = post;
+    c.has_bias = bias;
+    if (bias) c.routing.scale = 2.5f;
+    if (n_group > 1) {
+      c.routing.group_rule = switchyard::GroupRule::kTop2Sum;
+      c.routing.n_group = n_group;
+      c.routing.topk_group = n_group / 2;
+    }
+    out.push_back(c);
+  };
+  add("e576-sigmoid-bias-k8", 576, switchyard::PreFn::kSigmoid, switchyard::PostFn::kNormalize, true, 1);
+  add("e576-grouped-k8", 576, switchyard::PreFn::kSigmoid, switchyard::PostFn::kNormalize, true, 8);
+  add("e896-sigmoid-bias-k8", 896, switchyard::PreFn::kSigmoid, switchyard::PostFn::kNormalize, true, 1);
+  add("e896-softmax-k8", 896, switchyard::PreFn::kNone, switchyard::PostFn::kSoftmax, false, 1);
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -777,6 +778,75 @@ TEST(RoutingCuda, SigmoidBiasNearTies) {
         c.logits_dtype = (i % 3 == 1) ? DType::kBFloat16 : DType::kFloat32;
         if (!check_aligned(c, i)) return;
       }
+    }
+  }
+}
+
+// An environment variable set for the scope of a test (the routing knobs are read on every call).
+class EnvGuard {
+ public:
+  EnvGuard(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~EnvGuard() {
+    if (had_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  EnvGuard(const EnvGuard&) = delete;
+  EnvGuard& operator=(const EnvGuard&) = delete;
+
+ private:
+  std::string name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// Wide rows (E > 512) with sigmoid + fp32 bias -> normalize on the specialised wide kernels (aligned
+// rows, fp32 / bf16 logits) at the expert counts the issue names (576, 896) and others, plain
+// buffers (T below kWidePackedMinTokens) and packed buffers (SWITCHYARD_ROUTE_WIDE_PACKED=always
+// puts every T on them; their checks recompute the keys from logit and bias): near-tied rows
+// (neighbouring picks in one bucket: sorted above the last pick's bucket, exact rounds in it), rows
+// with a candidate hidden in the last pick's bucket, lane-heavy rows, ties and special values.
+TEST(RoutingCuda, WideSigmoidBiasRows) {
+  SY_SKIP_WITHOUT_GPU();
+  const Kind kinds[] = {Kind::kNearTied, Kind::kNormal,    Kind::kTied,
+                        Kind::kSpecial,  Kind::kLaneHeavy, Kind::kHiddenInBucket};
+  int i = 0;
+  for (bool packed : {true, false}) {
+    const EnvGuard knob("SWITCHYARD_ROUTE_WIDE_PACKED", packed ? "always" : "default");
+    for (int E : {520, 576, 640, 896, 1024, 1536, 2048}) {
+      for (int K : {1, 2, 8, 17, 32}) {
+        for (Kind kind : kinds) {
+          if (!packed && i % 3 != 0) {  // the plain buffers are main's: a third of the sweep
+            ++i;
+            continue;
+          }
+          Case c;
+          c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+          c.bias = true;  // fp32, aligned rows: the specialised kernels
+          c.T = large_t(i, 97);
+          c.kind = kind;
+          c.logits_dtype = (i % 3 == 1) ? DType::kBFloat16 : DType::kFloat32;
+          if (!check_aligned(c, i)) return;
+        }
+      }
+    }
+  }
+  // The default threshold itself: fp32 logits at kWidePackedMinTokens rows (CPU oracle: kept few).
+  for (int E : {576, 896}) {
+    for (Kind kind : {Kind::kNearTied, Kind::kNormal}) {
+      Case c;
+      c.config = make_config(E, 8, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+      c.bias = true;
+      c.T = 16384;
+      c.kind = kind;
+      if (!check_aligned(c, i)) return;
     }
   }
 }

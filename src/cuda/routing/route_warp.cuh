@@ -29,8 +29,7 @@
 //   warp (W = 32, any S) without a group limit, holding one batch of stripes in registers instead
 //   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
 //   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 512, any K;
-//       see Top-K below); route_warp_wide: the same buffers up to E = 2048 (logits without pre
-//       function or bias only).
+//       see Top-K below); route_warp_wide: the same buffers up to E = 2048.
 //
 // DESIGN
 //   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64, fewer for E <= 64 so
@@ -71,9 +70,10 @@
 //   keys share a bucket and differ, which a check after the rounds detects; then the exact rounds
 //   start from the first pick. Whole-warp rows up to E = 512 (kPackedTopK) keep packed keys in
 //   their buffers (insert = eight min / max per two values; one redux.sync per round; full keys in shared
-//   memory; select_top_k_packed); so do wide rows without pre function or bias up to E = 2048 (bf16 /
-//   fp16 logits, and fp32 ones from kWidePackedMinTokens rows on; full keys reloaded from the logits),
-//   where two picks of one bucket above the last pick's are sorted instead of redone.
+//   memory; select_top_k_packed); so do the specialised kernels' wide rows up to E = 2048 (bf16 / fp16
+//   logits without pre function or bias at every T, other keys from kWidePackedMinTokens rows on; full
+//   keys recomputed from the logits and bias), where two picks of one bucket above the last pick's are
+//   sorted instead of redone.
 //   Groups. With group size G % 4 == 0 and at most 2 scores summed per group (top2_sum, max, topk_sum with
 //   K/topk_group <= 2), each lane puts the top-2 keys of each of its 4-expert chunks in shared memory, lanes
 //   merge the chunks of one group each, and topk_group rounds of segment reductions pick the groups. Any
@@ -91,6 +91,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -111,6 +113,12 @@ enum GroupPath : int {
   kGroupChunks = 1,   // G % 4 == 0 and <= 2 scores per group
   kGroupGeneric = 2,  // anything else
 };
+
+// Rows from which route_warp_wide puts keys other than those of bf16 / fp16 logits (without pre
+// function or bias) on packed buffers. Measured on the H200 (wide-2048 fp32, us, same call, packed
+// against plain buffers): T = 16 / 1024 / 4096 / 16384 / 65536 12.2 / 19.3 / 32.4 / 78.6 / 260
+// against 9.4 / 14.8 / 31.2 / 88.7 / 312 (session 12).
+inline constexpr std::int64_t kWidePackedMinTokens = 16384;
 
 struct RouteParams {
   const void* logits = nullptr;
@@ -140,6 +148,9 @@ struct RouteParams {
   // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
   int group_lanes = 0;
   int group_shift = 0;  // log2(G / 4)
+  // route_warp_wide's packed buffers for keys other than bf16 / fp16 logits from this many rows
+  // on (kWidePackedMinTokens; SWITCHYARD_ROUTE_WIDE_PACKED=always makes it 0: a testing knob).
+  std::int64_t wide_packed_min_tokens = 0;
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
@@ -258,6 +269,9 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
   p.pre = c.pre;
   p.post = c.post;
   p.scale = c.scale;
+  const char* wide_packed = std::getenv("SWITCHYARD_ROUTE_WIDE_PACKED");
+  p.wide_packed_min_tokens =
+      (wide_packed != nullptr && std::strcmp(wide_packed, "always") == 0) ? 0 : kWidePackedMinTokens;
   p.group_path = kGroupNone;
   // Keeping every group is no group limit at all (the oracle then allows every expert).
   if (c.group_rule != GroupRule::kNone && c.topk_group < c.n_group) {
@@ -1561,11 +1575,11 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 // H200, wide-2048 (E = 2048, K = 32, none -> softmax), us at T = 1 / 4096 / 65536, against
 // route_warp: fp32 6.07 / 31.7 / 314 (8.34 / 49.8 / 625), bf16 5.94 / 31.3 / 320 (9.70 / 66.7 /
 // 936). ncu at T = 65536: ~2900 warp instructions per row, issue-bound (SM throughput 87%); the
-// candidate-buffer insert of every value (~20 instructions) is the largest part. For logits without
-// pre function or bias (kPackedTopK) the buffers hold packed keys, as route_warp's do (five min /
-// max per value): bf16 / fp16 (every bucket holds one key, no collision check) at every T, fp32
-// from kWidePackedMinTokens rows on. Session 12, us: wide-2048 bf16 4.54 / 23.8 / 219, fp32 T =
-// 16384 / 65536 79.4 / 261 (was 88.6 / 313).
+// candidate-buffer insert of every value (~20 instructions) is the largest part. In the specialised
+// kernels (kPackedTopK) the buffers hold packed keys, as route_warp's do (five min / max per value):
+// bf16 / fp16 logits without pre function or bias (every bucket holds one key, no collision check)
+// at every T, other keys from kWidePackedMinTokens rows on. Session 12, us: wide-2048 bf16 4.54 /
+// 23.8 / 219, fp32 T = 16384 / 65536 79.4 / 261 (was 88.6 / 313).
 
 // Stripe i of a lane in a wide row: its logits (absent experts -inf) and, when the pass asked for
 // it and there is a bias, its bias.
@@ -1646,11 +1660,6 @@ __device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, int lane4
   }
 }
 
-// Rows from which route_warp_wide puts fp32 logits on packed buffers. Measured on the H200
-// (wide-2048 fp32, us, same call, packed against plain buffers): T = 16 / 1024 / 4096 / 16384 /
-// 65536 12.2 / 19.3 / 32.4 / 78.6 / 260 against 9.4 / 14.8 / 31.2 / 88.7 / 312 (session 12).
-constexpr std::int64_t kWidePackedMinTokens = 16384;
-
 // route_warp's contract (see the top of this file) for Shape::W == 32 and p.group_path ==
 // kGroupNone; warp_smem is not used. The caller skips warps whose row is past T.
 template <class Shape, bool kPackedTopK = false>
@@ -1707,17 +1716,18 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   int pick_e[SL];
   const auto refill = [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
                           int lane_offset) { buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset); };
-  // Packed candidate buffers (route_warp's, see select_top_k_packed): kPackedTopK is set for logits
-  // without pre function or bias only (routing.cu, kPackedWide), so a key is the logit's: full_key
-  // reloads it (the checks ask for the picks' keys and some heads'; L1 / L2 hits). bf16 / fp16
-  // logits have one key per bucket: no collision check and no full keys. fp32 logits take them
-  // from kWidePackedMinTokens rows on only: their checks (reloads, the sort of the picks, exact
-  // rounds from the first pick after a collision) lengthen a row, which costs where the rows'
-  // latency is the call's.
+  // Packed candidate buffers (route_warp's, see select_top_k_packed; kPackedTopK: the specialised
+  // kernels, routing.cu's kPackedWide). full_key recomputes an expert's key from its logit (and
+  // bias): the checks ask for the picks' keys and some heads' (L1 / L2 hits). bf16 / fp16 logits
+  // without pre function or bias have one key per bucket: no collision check and no full keys.
+  // Other keys take the packed buffers from kWidePackedMinTokens rows on only: their checks
+  // (recomputed keys, the sort of the picks, exact rounds from the first pick after a collision)
+  // lengthen a row, which costs where the rows' latency is the call's.
   bool packed = false;  // uniform
   if constexpr (kPackedTopK && kPackedKeys<Shape>) {
-    const bool bucket_exact = p.logits_dtype != static_cast<int>(DType::kFloat32);
-    packed = bucket_exact || p.num_tokens >= kWidePackedMinTokens;
+    const bool bucket_exact =
+        p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
+    packed = bucket_exact || p.num_tokens >= p.wide_packed_min_tokens;
     if (packed) {
       constexpr std::uint32_t kIdx = kIndexMask<Shape>;
       const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
@@ -1728,10 +1738,17 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
           packed_insert<D>(bp, pnext,
                            (key[c] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c))));
       });
-      select_top_k_packed<Shape, true>(
-          K, sl, lane4, bp, pnext, bucket_exact,
-          [&](int e) { return canonical_key(load_one(row_ptr, p.logits_dtype, e)); }, pick_key, pick_e,
-          /*keys_needed=*/true, refill);
+      // The key of expert e: wide_stripe_keys' arithmetic for one value (softmax_pre and
+      // elementwise_pre give the bits of its fast and general paths).
+      const auto full_key = [&](int e) {
+        const float s = load_one(row_ptr, p.logits_dtype, e);
+        float q = p.pre == PreFn::kSoftmax ? softmax_pre(s, sm) : elementwise_pre(p.pre, s);
+        if (p.bias != nullptr) q = __fadd_rn(q, load_one(p.bias, p.bias_dtype, e));
+        return canonical_key(q);
+      };
+      // With a bias finish_row takes p from the logit: the picks' keys are not needed there.
+      select_top_k_packed<Shape, true>(K, sl, lane4, bp, pnext, bucket_exact, full_key, pick_key, pick_e,
+                                       /*keys_needed=*/p.bias == nullptr, refill);
     }
   }
   if (!packed) {

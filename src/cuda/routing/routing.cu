@@ -81,17 +81,17 @@ struct SpecTraits<SpecGeneric> {
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
 
-// Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; plain ones past it) where
-// the keys are the logits (no pre function, no bias), which the checks reload for the few experts
-// they ask about (fp32 logits from route_warp_wide's kWidePackedMinTokens rows on). Measured on the
-// H200 (wide-2048, us, same call): bf16 packed rounds T = 4096 / 65536 29.4 / 299 against 31.4 /
-// 319 (session 10); packed buffers bf16 23.8 / 219 against 29.4 / 298, fp32 T = 65536 261 against
-// 313 (session 12). (A variable template rather than a SpecTraits member: only the wide kernels
-// read it.)
+// Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; plain ones past it) in the
+// specialised kernels; the checks recompute the keys of the few experts they ask about (except for
+// bf16 logits without pre function or bias, and only from route_warp_wide's kWidePackedMinTokens
+// rows on for other keys). Measured on the H200 (wide-2048, us, same call): bf16 packed rounds
+// T = 4096 / 65536 29.4 / 299 against 31.4 / 319 (session 10); packed buffers bf16 23.8 / 219
+// against 29.4 / 298, fp32 T = 65536 261 against 313 (session 12). (A variable template rather
+// than a SpecTraits member: only the wide kernels read it.)
 template <class SpecT>
 constexpr bool kPackedWide = false;
 template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
-constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> = kPre == PreFn::kNone && !kBias;
+constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> = true;
 
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
@@ -215,7 +215,9 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
     if (p.group_path == routing::kGroupNone) {
       return launch_route_spec<
           Shape, true, Spec<DType::kFloat32, PreFn::kNone, false, false, PostFn::kSoftmax>,
-          Spec<DType::kBFloat16, PreFn::kNone, false, false, PostFn::kSoftmax>, SpecGeneric>(p, stream);
+          Spec<DType::kBFloat16, PreFn::kNone, false, false, PostFn::kSoftmax>,
+          Spec<DType::kFloat32, PreFn::kSigmoid, true, false, PostFn::kNormalize>,
+          Spec<DType::kBFloat16, PreFn::kSigmoid, true, false, PostFn::kNormalize>, SpecGeneric>(p, stream);
     }
   }
   if constexpr (Shape::W == 32 && Shape::S <= 4) {

@@ -299,6 +299,18 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
   return p;
 }
 
+// Whether route_warp_wide should run on packed candidate buffers for p (its kPackedTopK, chosen by
+// the launcher so that each kernel holds one of the two forms: a kernel holding both was up to 30%
+// slower below the threshold, session 13): bf16 / fp16 logits without pre function or bias at every
+// T (one key per bucket: no checks), other keys from p.wide_packed_min_tokens rows on (their checks
+// recompute keys, sort picks or redo rounds, which lengthens a row: that costs where the slowest
+// row is the call's time).
+inline bool wide_packed_buffers(const RouteParams& p) {
+  const bool bucket_exact =
+      p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
+  return bucket_exact || p.num_tokens >= p.wide_packed_min_tokens;
+}
+
 // Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)
 // or keys (4 bytes per expert slot), then n_group score keys and n_group selection flags.
 template <class Shape>
@@ -1716,19 +1728,15 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   int pick_e[SL];
   const auto refill = [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
                           int lane_offset) { buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset); };
-  // Packed candidate buffers (route_warp's, see select_top_k_packed; kPackedTopK: the specialised
-  // kernels, routing.cu's kPackedWide). full_key recomputes an expert's key from its logit (and
-  // bias): the checks ask for the picks' keys and some heads' (L1 / L2 hits). bf16 / fp16 logits
-  // without pre function or bias have one key per bucket: no collision check and no full keys.
-  // Other keys take the packed buffers from kWidePackedMinTokens rows on only: their checks
-  // (recomputed keys, the sort of the picks, exact rounds from the first pick after a collision)
-  // lengthen a row, which costs where the rows' latency is the call's.
-  bool packed = false;  // uniform
-  if constexpr (kPackedTopK && kPackedKeys<Shape>) {
+  // Packed candidate buffers (route_warp's, see select_top_k_packed; kPackedTopK: the caller's
+  // choice, wide_packed_buffers). full_key recomputes an expert's key from its logit (and bias): the
+  // checks ask for the picks' keys and some heads' (L1 / L2 hits). bf16 / fp16 logits without pre
+  // function or bias have one key per bucket: no collision check and no full keys.
+  constexpr bool packed = kPackedTopK && kPackedKeys<Shape>;
+  if constexpr (packed) {
     const bool bucket_exact =
         p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
-    packed = bucket_exact || p.num_tokens >= p.wide_packed_min_tokens;
-    if (packed) {
+    {
       constexpr std::uint32_t kIdx = kIndexMask<Shape>;
       const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
       std::uint32_t bp[D] = {}, pnext = 0u;
@@ -1751,7 +1759,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
                                        /*keys_needed=*/p.bias == nullptr, refill);
     }
   }
-  if (!packed) {
+  if constexpr (!packed) {
     std::uint32_t bk[D];
     int bb[D];
 #pragma unroll

@@ -110,8 +110,8 @@ constexpr int route_min_blocks() {
              : 1;
 }
 
-// kWide: route_warp_wide (E > 512 without a group limit) instead of route_warp. kPackedTopK:
-// route_warp's packed candidate buffers (see launch_route_shape).
+// kWide: route_warp_wide (E > 512 without a group limit) instead of route_warp. kPackedTopK: the
+// packed candidate buffers (route_warp: see launch_route_shape; route_warp_wide: launch_route_for).
 template <class Shape, class SpecT, bool kWide, bool kPackedTopK>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT, kWide>())
     route_kernel(const RouteParams p0) {
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * warps + warp) * Shape::kRowsPerWarp;
   if (first_row >= p.num_tokens) return;  // whole warp: no block-level barrier follows
   if constexpr (kWide) {
-    routing::route_warp_wide<Shape, kPackedWide<SpecT>>(p, first_row, nullptr);
+    routing::route_warp_wide<Shape, kPackedTopK>(p, first_row, nullptr);
   } else {
     const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
     unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
@@ -170,14 +170,28 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
                        smem_per_warp * warps_per_block, stream, /*pdl=*/true, p);
 }
 
+// The kernel of SpecT: for wide rows, the one with packed candidate buffers where kPackedWide<SpecT>
+// and routing::wide_packed_buffers(p) ask for them, else the one with plain buffers.
+template <class Shape, class SpecT, bool kWide>
+Status launch_route_for(const RouteParams& p, cudaStream_t stream) {
+  if constexpr (kWide) {
+    if constexpr (kPackedWide<SpecT>) {
+      if (routing::wide_packed_buffers(p)) return launch_route<Shape, SpecT, true, true>(p, stream);
+    }
+    return launch_route<Shape, SpecT, true, false>(p, stream);
+  } else {
+    return launch_route<Shape, SpecT, false>(p, stream);
+  }
+}
+
 // The first of the kernels SpecT, Rest... whose Spec matches p (the last one, SpecGeneric, always
 // does); kWide: the wide-row kernels.
 template <class Shape, bool kWide, class SpecT, class... Rest>
 Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
   if constexpr (sizeof...(Rest) == 0) {
-    return launch_route<Shape, SpecT, kWide>(p, stream);
+    return launch_route_for<Shape, SpecT, kWide>(p, stream);
   } else {
-    if (SpecTraits<SpecT>::matches(p)) return launch_route<Shape, SpecT, kWide>(p, stream);
+    if (SpecTraits<SpecT>::matches(p)) return launch_route_for<Shape, SpecT, kWide>(p, stream);
     return launch_route_spec<Shape, kWide, Rest...>(p, stream);
   }
 }

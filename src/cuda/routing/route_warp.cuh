@@ -148,9 +148,6 @@ struct RouteParams {
   // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
   int group_lanes = 0;
   int group_shift = 0;  // log2(G / 4)
-  // route_warp_wide's packed buffers for keys other than bf16 / fp16 logits from this many rows
-  // on (kWidePackedMinTokens; SWITCHYARD_ROUTE_WIDE_PACKED=always makes it 0: a testing knob).
-  std::int64_t wide_packed_min_tokens = 0;
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
@@ -269,9 +266,6 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
   p.pre = c.pre;
   p.post = c.post;
   p.scale = c.scale;
-  const char* wide_packed = std::getenv("SWITCHYARD_ROUTE_WIDE_PACKED");
-  p.wide_packed_min_tokens =
-      (wide_packed != nullptr && std::strcmp(wide_packed, "always") == 0) ? 0 : kWidePackedMinTokens;
   p.group_path = kGroupNone;
   // Keeping every group is no group limit at all (the oracle then allows every expert).
   if (c.group_rule != GroupRule::kNone && c.topk_group < c.n_group) {
@@ -302,13 +296,16 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
 // Whether route_warp_wide should run on packed candidate buffers for p (its kPackedTopK, chosen by
 // the launcher so that each kernel holds one of the two forms: a kernel holding both was up to 30%
 // slower below the threshold, session 13): bf16 / fp16 logits without pre function or bias at every
-// T (one key per bucket: no checks), other keys from p.wide_packed_min_tokens rows on (their checks
+// T (one key per bucket: no checks), other keys from kWidePackedMinTokens rows on (their checks
 // recompute keys, sort picks or redo rounds, which lengthens a row: that costs where the slowest
-// row is the call's time).
+// row is the call's time). SWITCHYARD_ROUTE_WIDE_PACKED=always (environment, read per call) puts
+// every T on them: a testing knob, not needed for correct results.
 inline bool wide_packed_buffers(const RouteParams& p) {
   const bool bucket_exact =
       p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
-  return bucket_exact || p.num_tokens >= p.wide_packed_min_tokens;
+  const char* knob = std::getenv("SWITCHYARD_ROUTE_WIDE_PACKED");
+  const bool always = knob != nullptr && std::strcmp(knob, "always") == 0;
+  return bucket_exact || always || p.num_tokens >= kWidePackedMinTokens;
 }
 
 // Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)

@@ -219,10 +219,13 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
 }
 
 // Wide rows (route_warp_wide, E > 512 without a group limit): the generic kernel (80 registers,
-// a few spilled), and a specialised one for none -> softmax, the wide-2048 preset's rule (56-59
-// registers, 4 blocks per SM). Measured on the H200 (wide-2048, us at T = 4096 / 65536): fp32
-// generic 41.3 / 486, specialised 31.7 / 314; before route_warp_wide 49.8 / 625. Group limits
-// past E = 512 keep route_warp (their paths rank from the whole row in registers).
+// a few spilled), and specialised ones for none -> softmax, the wide-2048 preset's rule (56-59
+// registers, 4 blocks per SM), and for sigmoid + bias -> normalize (74-80 registers), each with
+// packed or plain candidate buffers (launch_route_for). Measured on the H200 (wide-2048, us at
+// T = 4096 / 65536): fp32 generic 41.3 / 486, specialised 31.7 / 314; before route_warp_wide
+// 49.8 / 625. Sigmoid + bias, E = 576 fp32 T = 1 / 4096 / 65536: 3.59 / 13.4 / 118 against the
+// generic kernel's 4.82 / 15.9 / 155 (session 13). Group limits past E = 512 keep route_warp
+// (their paths rank from the whole row in registers; generic kernel).
 template <class Shape>
 Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {

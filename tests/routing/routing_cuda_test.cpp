@@ -755,14 +755,15 @@ TEST(RoutingCuda, HiddenInBucket) {
 
 // Sigmoid + fp32 bias -> normalize (the Kimi / GLM / DeepSeek-V3 rule) past T = 256, on the
 // specialised kernels (aligned rows, fp32 bias), with near-tied rows (values a few ulps apart at
-// the K-th pick, see Kind::kNearTied), group limits on the lane path and, for E = 384, the chunk
-// path, and the usual kinds. (Written for a verified-selection experiment that selected on an
+// the K-th pick, see Kind::kNearTied), group limits on the lane path and, for E = 384, 576, 640 and
+// 896, the chunk path (past E = 512: route_warp on packed buffers, specialised since session 13;
+// without a group limit those rows take the wide kernels), and the usual kinds. (Written for a verified-selection experiment that selected on an
 // approximate sigmoid, session 12, rejected: bench/results/README.md; it keeps the exact kernels'
 // near ties covered.)
 TEST(RoutingCuda, SigmoidBiasNearTies) {
   SY_SKIP_WITHOUT_GPU();
   int i = 0;
-  for (int E : {96, 128, 160, 256, 384, 512}) {
+  for (int E : {96, 128, 160, 256, 384, 512, 576, 640, 896, 1024}) {
     for (int K : {2, 8, 10, 31}) {
       for (Kind kind : {Kind::kNearTied, Kind::kNormal, Kind::kTied, Kind::kSpecial, Kind::kWide}) {
         Case c;

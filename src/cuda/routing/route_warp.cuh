@@ -28,7 +28,7 @@
 //   route_warp_wide<Shape, kPackedTopK = false>(p, row, picks): the same contract for one row per
 //   warp (W = 32, any S) without a group limit, holding one batch of stripes in registers instead
 //   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
-//   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 512, any K;
+//   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 1024, any K;
 //       see Top-K below); route_warp_wide: the same buffers up to E = 2048.
 //
 // DESIGN
@@ -68,7 +68,7 @@
 //   kernels; this code is our own.) Packed keys: a key with its low 7-11 bits replaced by the
 //   inverted expert index orders (bits left, the "bucket", desc; expert asc), exact unless two
 //   keys share a bucket and differ, which a check after the rounds detects; then the exact rounds
-//   start from the first pick. Whole-warp rows up to E = 512 (kPackedTopK) keep packed keys in
+//   start from the first pick. Whole-warp rows up to E = 1024 (kPackedTopK) keep packed keys in
 //   their buffers (insert = eight min / max per two values; one redux.sync per round; full keys in shared
 //   memory; select_top_k_packed); so do the specialised kernels' wide rows up to E = 2048 (bf16 / fp16
 //   logits without pre function or bias at every T, other keys from kWidePackedMinTokens rows on; full
@@ -319,9 +319,9 @@ __host__ __device__ __forceinline__ std::size_t route_group_smem_bytes(const Rou
 }
 
 // route_warp's packed candidate buffers (kPackedTopK; see packed_insert): whole-warp rows up to
-// E = 512.
+// E = 1024 (past 512 only rows with a group limit reach route_warp: routing.cu).
 template <class Shape>
-inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 4;
+inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 8;
 
 // Shared memory of one routed row: the group paths', then, for the packed candidate buffers of
 // whole-warp rows up to E = 512 (see select_top_k_packed; kPackedTopK), the row's selection keys

@@ -37,14 +37,16 @@ constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute need
 // T = 4096 glm-4.5 fp32 7.71 / 6.50 and deepseek-v3 bf16 8.62 / 6.88 (37 registers instead of
 // 29-34 at E = 256).
 struct SpecGeneric {};
-template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarlyBias = false>
+// A Spec's group limit: none, the lane path, or the chunk path without lanes (route_warp.cuh).
+enum SpecGroup : int { kSpecGroupNone = 0, kSpecGroupLanes = 1, kSpecGroupChunks = 2 };
+template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarlyBias = false>
 struct Spec {};
 constexpr std::int64_t kEarlyBiasMaxTokens = 256;
 
 template <class S>
 struct SpecTraits;
-template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
-struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
+template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarly>
+struct SpecTraits<Spec<kDtype, kPre, kBias, kGroup, kPost, kEarly>> {
   static constexpr bool kEarlyBias = kEarly;
   static bool matches(const RouteParams& p) {
     if (kEarly && p.num_tokens > kEarlyBiasMaxTokens) return false;
@@ -52,7 +54,8 @@ struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
     if (p.pre != kPre || p.post != kPost) return false;
     if (kBias != (p.bias != nullptr)) return false;
     if (kBias && (p.bias_dtype != static_cast<int>(DType::kFloat32) || !p.bias_vec)) return false;
-    if (kGroupLanes) return p.group_path == routing::kGroupChunks && p.group_lanes != 0;
+    if (kGroup == kSpecGroupLanes) return p.group_path == routing::kGroupChunks && p.group_lanes != 0;
+    if (kGroup == kSpecGroupChunks) return p.group_path == routing::kGroupChunks && p.group_lanes == 0;
     return p.group_path == routing::kGroupNone;
   }
   __device__ __forceinline__ static void apply(RouteParams& p) {
@@ -66,11 +69,11 @@ struct SpecTraits<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> {
     } else {
       p.bias = nullptr;
     }
-    if (kGroupLanes) {
-      p.group_path = routing::kGroupChunks;
-      p.group_lanes = 1;
-    } else {
+    if (kGroup == kSpecGroupNone) {
       p.group_path = routing::kGroupNone;
+    } else {
+      p.group_path = routing::kGroupChunks;
+      p.group_lanes = kGroup == kSpecGroupLanes ? 1 : 0;
     }
   }
 };
@@ -90,8 +93,8 @@ struct SpecTraits<SpecGeneric> {
 // than a SpecTraits member: only the wide kernels read it.)
 template <class SpecT>
 constexpr bool kPackedWide = false;
-template <DType kDtype, PreFn kPre, bool kBias, bool kGroupLanes, PostFn kPost, bool kEarly>
-constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroupLanes, kPost, kEarly>> = true;
+template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarly>
+constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroup, kPost, kEarly>> = true;
 
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
@@ -137,10 +140,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
 
 template <class Shape, class SpecT, bool kWide = false, bool kPackedTopK = true>
 Status launch_route(const RouteParams& p, cudaStream_t stream) {
-  const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
+  // (route_warp_wide keeps no row in shared memory.)
+  const std::size_t smem_per_warp = kWide ? 0 : routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
   int warps_per_block = kWarpsPerBlock;
   if (smem_per_warp > 0) {
-    const std::size_t fit = kMaxSmemPerBlock / smem_per_warp;
+    const std::size_t fit = kMaxSmemPerBlock / std::max<std::size_t>(smem_per_warp, 1);  // (> 0 here)
     if (fit == 0) {
       return Status::Unsupported("route: the group limit needs " + std::to_string(smem_per_warp) +
                                  " bytes of shared memory per warp, more than the " +
@@ -209,12 +213,12 @@ Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
 // wave of 512 blocks depends so much on the register count is not understood.
 template <class Shape, DType kDtype>
 Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
-  return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSoftmax, false, false, PostFn::kNormalize>,
-                           Spec<kDtype, PreFn::kNone, false, false, PostFn::kSoftmax>,
-                           Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize, true>,
-                           Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize, true>,
-                           Spec<kDtype, PreFn::kSigmoid, true, false, PostFn::kNormalize>,
-                           Spec<kDtype, PreFn::kSigmoid, true, true, PostFn::kNormalize>, SpecGeneric>(
+  return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
+                           Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
+                           Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
+                           Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
+                           Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
+                           Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(
       p, stream);
 }
 
@@ -231,10 +235,27 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {
     if (p.group_path == routing::kGroupNone) {
       return launch_route_spec<
-          Shape, true, Spec<DType::kFloat32, PreFn::kNone, false, false, PostFn::kSoftmax>,
-          Spec<DType::kBFloat16, PreFn::kNone, false, false, PostFn::kSoftmax>,
-          Spec<DType::kFloat32, PreFn::kSigmoid, true, false, PostFn::kNormalize>,
-          Spec<DType::kBFloat16, PreFn::kSigmoid, true, false, PostFn::kNormalize>, SpecGeneric>(p, stream);
+          Shape, true, Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
+          Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
+          Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
+          Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>, SpecGeneric>(p, stream);
+    }
+  }
+  if constexpr (Shape::W == 32 && Shape::S > 4 && routing::kPackedBuffers<Shape>) {
+    // Rows of 513-1024 experts with a group limit: route_warp on packed candidate buffers (K >= 2),
+    // specialised for sigmoid + bias -> normalize with either group path.
+    if (p.top_k < routing::dev::kPackedMinK) return launch_route<Shape, SpecGeneric, false, false>(p, stream);
+    if (p.logits_dtype == static_cast<int>(DType::kFloat32)) {
+      return launch_route_spec<Shape, false,
+                               Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
+                               Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>,
+                               SpecGeneric>(p, stream);
+    }
+    if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) {
+      return launch_route_spec<Shape, false,
+                               Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
+                               Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>,
+                               SpecGeneric>(p, stream);
     }
   }
   if constexpr (Shape::W == 32 && Shape::S <= 4) {

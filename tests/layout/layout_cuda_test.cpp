@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/cuda_test_util.h"
+#include "common/scoped_env.h"
 #include "common/float_formats.h"
 #include "common/test_data.h"
 #include "switchyard/layout.h"
@@ -519,30 +520,7 @@ TEST(LayoutCuda, PathBoundaries) {
   }
 }
 
-// Sets an environment variable for the scope (and restores the previous state).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
+using sy_test::ScopedEnv;
 
 // Every path on the same shapes (SWITCHYARD_LAYOUT_PATH forces one where it fits): the one-launch
 // kernels far past the sizes the default selection gives them, so each is checked on its own, with

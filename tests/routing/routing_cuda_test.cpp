@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -22,6 +21,7 @@
 #include <vector>
 
 #include "common/cuda_test_util.h"
+#include "common/scoped_env.h"
 #include "common/numeric.h"
 #include "common/routing_names.h"
 #include "common/test_data.h"
@@ -783,30 +783,7 @@ TEST(RoutingCuda, SigmoidBiasNearTies) {
   }
 }
 
-// An environment variable set for the scope of a test (the routing knobs are read on every call).
-class EnvGuard {
- public:
-  EnvGuard(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~EnvGuard() {
-    if (had_) {
-      setenv(name_.c_str(), old_.c_str(), 1);
-    } else {
-      unsetenv(name_.c_str());
-    }
-  }
-  EnvGuard(const EnvGuard&) = delete;
-  EnvGuard& operator=(const EnvGuard&) = delete;
-
- private:
-  std::string name_;
-  bool had_ = false;
-  std::string old_;
-};
+using sy_test::ScopedEnv;
 
 // Wide rows (E > 512) with sigmoid + fp32 bias -> normalize on the specialised wide kernels (aligned
 // rows, fp32 / bf16 logits) at the expert counts the issue names (576, 896) and others, plain
@@ -820,7 +797,7 @@ TEST(RoutingCuda, WideSigmoidBiasRows) {
                         Kind::kSpecial,  Kind::kLaneHeavy, Kind::kHiddenInBucket};
   int i = 0;
   for (bool packed : {true, false}) {
-    const EnvGuard knob("SWITCHYARD_ROUTE_WIDE_PACKED", packed ? "always" : "default");
+    const ScopedEnv knob("SWITCHYARD_ROUTE_WIDE_PACKED", packed ? "always" : "default");
     for (int E : {520, 576, 640, 896, 1024, 1536, 2048}) {
       for (int K : {1, 2, 8, 17, 32}) {
         for (Kind kind : kinds) {

@@ -117,7 +117,8 @@ enum GroupPath : int {
 // Rows from which route_warp_wide puts keys other than those of bf16 / fp16 logits (without pre
 // function or bias) on packed buffers. Measured on the H200 (wide-2048 fp32, us, same call, packed
 // against plain buffers): T = 16 / 1024 / 4096 / 16384 / 65536 12.2 / 19.3 / 32.4 / 78.6 / 260
-// against 9.4 / 14.8 / 31.2 / 88.7 / 312 (session 12).
+// against 9.4 / 14.8 / 31.2 / 88.7 / 312 (session 12); sigmoid + bias at E = 576 / 896 the same way
+// (T = 4096 14.1 / 15.9 against 12.9 / 14.9, equal at 16384; session 13).
 inline constexpr std::int64_t kWidePackedMinTokens = 16384;
 
 struct RouteParams {
@@ -324,7 +325,7 @@ template <class Shape>
 inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 8;
 
 // Shared memory of one routed row: the group paths', then, for the packed candidate buffers of
-// whole-warp rows up to E = 512 (see select_top_k_packed; kPackedTopK), the row's selection keys
+// whole-warp rows up to E = 1024 (see select_top_k_packed; kPackedTopK), the row's selection keys
 // and, with a bias, its p.
 template <class Shape, bool kPackedTopK = true>
 __host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
@@ -1733,28 +1734,26 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   if constexpr (packed) {
     const bool bucket_exact =
         p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
-    {
-      constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-      const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
-      std::uint32_t bp[D] = {}, pnext = 0u;
-      visit_keys([&](int i, const std::uint32_t(&key)[4]) {
+    constexpr std::uint32_t kIdx = kIndexMask<Shape>;
+    const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
+    std::uint32_t bp[D] = {}, pnext = 0u;
+    visit_keys([&](int i, const std::uint32_t(&key)[4]) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-          packed_insert<D>(bp, pnext,
-                           (key[c] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c))));
-      });
-      // The key of expert e: wide_stripe_keys' arithmetic for one value (softmax_pre and
-      // elementwise_pre give the bits of its fast and general paths).
-      const auto full_key = [&](int e) {
-        const float s = load_one(row_ptr, p.logits_dtype, e);
-        float q = p.pre == PreFn::kSoftmax ? softmax_pre(s, sm) : elementwise_pre(p.pre, s);
-        if (p.bias != nullptr) q = __fadd_rn(q, load_one(p.bias, p.bias_dtype, e));
-        return canonical_key(q);
-      };
-      // With a bias finish_row takes p from the logit: the picks' keys are not needed there.
-      select_top_k_packed<Shape, true>(K, sl, lane4, bp, pnext, bucket_exact, full_key, pick_key, pick_e,
-                                       /*keys_needed=*/p.bias == nullptr, refill);
-    }
+      for (int c = 0; c < 4; ++c)
+        packed_insert<D>(bp, pnext,
+                         (key[c] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c))));
+    });
+    // The key of expert e: wide_stripe_keys' arithmetic for one value (softmax_pre and
+    // elementwise_pre give the bits of its fast and general paths).
+    const auto full_key = [&](int e) {
+      const float s = load_one(row_ptr, p.logits_dtype, e);
+      float q = p.pre == PreFn::kSoftmax ? softmax_pre(s, sm) : elementwise_pre(p.pre, s);
+      if (p.bias != nullptr) q = __fadd_rn(q, load_one(p.bias, p.bias_dtype, e));
+      return canonical_key(q);
+    };
+    // With a bias finish_row takes p from the logit: the picks' keys are not needed there.
+    select_top_k_packed<Shape, true>(K, sl, lane4, bp, pnext, bucket_exact, full_key, pick_key, pick_e,
+                                     /*keys_needed=*/p.bias == nullptr, refill);
   }
   if constexpr (!packed) {
     std::uint32_t bk[D];

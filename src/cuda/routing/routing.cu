@@ -140,11 +140,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
 
 template <class Shape, class SpecT, bool kWide = false, bool kPackedTopK = true>
 Status launch_route(const RouteParams& p, cudaStream_t stream) {
-  // (route_warp_wide keeps no row in shared memory.)
-  const std::size_t smem_per_warp = kWide ? 0 : routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
+  std::size_t smem_per_warp = 0;  // route_warp_wide keeps no row in shared memory
+  if constexpr (!kWide) smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
   int warps_per_block = kWarpsPerBlock;
   if (smem_per_warp > 0) {
-    const std::size_t fit = kMaxSmemPerBlock / std::max<std::size_t>(smem_per_warp, 1);  // (> 0 here)
+    const std::size_t fit = kMaxSmemPerBlock / smem_per_warp;
     if (fit == 0) {
       return Status::Unsupported("route: the group limit needs " + std::to_string(smem_per_warp) +
                                  " bytes of shared memory per warp, more than the " +

@@ -829,6 +829,35 @@ TEST(RoutingCuda, WideSigmoidBiasRows) {
   }
 }
 
+// Rows of 513-1024 experts without a group limit that routing.cu sends to route_warp (whole row in
+// registers, packed buffers) from kWarpForWideMinTokens = 1024 rows on: bf16 sigmoid + fp32 bias ->
+// normalize and fp32 / bf16 none -> softmax (aligned rows), over near-tied, hidden-in-bucket,
+// lane-heavy, tied, negative and normal rows.
+TEST(RoutingCuda, WarpForWideRows) {
+  SY_SKIP_WITHOUT_GPU();
+  const Kind kinds[] = {Kind::kNearTied, Kind::kHiddenInBucket, Kind::kLaneHeavy,
+                        Kind::kTied,     Kind::kNegative,       Kind::kNormal};
+  int i = 0;
+  for (int E : {520, 576, 640, 896, 1000, 1024}) {
+    for (int K : {2, 8, 17, 32}) {
+      for (int rule = 0; rule < 3; ++rule) {
+        Case c;
+        if (rule == 0) {
+          c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+          c.bias = true;
+          c.logits_dtype = DType::kBFloat16;
+        } else {
+          c.config = make_config(E, K, PreFn::kNone, PostFn::kSoftmax);
+          c.logits_dtype = rule == 1 ? DType::kFloat32 : DType::kBFloat16;
+        }
+        c.T = 1024 + (i % 37);
+        c.kind = kinds[i % 6];
+        if (!check_aligned(c, i)) return;
+      }
+    }
+  }
+}
+
 // A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied
 // into the same buffers; each replay is compared with the CPU oracle.
 TEST(RoutingCuda, GraphReplayWithNewInputs) {

@@ -230,10 +230,34 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
 // 49.8 / 625. Sigmoid + bias, E = 576 fp32 T = 1 / 4096 / 65536: 3.59 / 13.4 / 118 against the
 // generic kernel's 4.82 / 15.9 / 155 (session 13). Group limits past E = 512 keep route_warp
 // (their paths rank from the whole row in registers; generic kernel).
+// Rows of 513-1024 experts without a group limit, K >= 2: route_warp (the row in registers, packed
+// buffers) instead of route_warp_wide from this many rows on, for bf16 sigmoid + bias -> normalize
+// and fp32 / bf16 none -> softmax. Measured on the H200 (K = 8, us, same call, two runs, route_warp
+// against route_warp_wide; session 13): E = 896 none -> softmax bf16 T = 1024 / 4096 / 16384 / 65536
+// 3.8-4.1 / 7.3 / 20.9 / 73.0 against 4.9-5.5 / 9.2 / 27.6 / 95.5, fp32 5.3-5.4 / 10.3 / 25.1 / 79.0
+// against 5.7 / 10.5-10.9 / 25.1 / 82.7; sigmoid + bias bf16 E = 576 6.7 / 11.4 / 35.9 / 129.7 against
+// 6.9-7.3 / 14.2-14.4 / 40.4 / 139.3, E = 896 6.7 / 13.0 / 39.2 / 142.2 against 7.6-7.9 / 16.5-16.8 /
+// 47.5 / 169.3. Not below it (T = 16-256 up to 35% slower: the wide kernels' rows are shorter) nor for
+// fp32 sigmoid + bias (E = 576 T = 65536 134.8 against 119.1: the fp32 row's registers).
+constexpr std::int64_t kWarpForWideMinTokens = 1024;
+
 template <class Shape>
 Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {
     if (p.group_path == routing::kGroupNone) {
+      // Up to E = 1024 (kPackedBuffers) and from kWarpForWideMinTokens rows on, the specialised
+      // rules whose whole row route_warp holds in registers faster than route_warp_wide streams it
+      // (see kWarpForWideMinTokens); everything else stays on the wide kernels.
+      if constexpr (routing::kPackedBuffers<Shape>) {
+        if (p.num_tokens >= kWarpForWideMinTokens && p.top_k >= routing::dev::kPackedMinK) {
+          using SigmoidBf16 = Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
+          using SoftmaxF32 = Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
+          using SoftmaxBf16 = Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
+          if (SpecTraits<SigmoidBf16>::matches(p)) return launch_route<Shape, SigmoidBf16>(p, stream);
+          if (SpecTraits<SoftmaxF32>::matches(p)) return launch_route<Shape, SoftmaxF32>(p, stream);
+          if (SpecTraits<SoftmaxBf16>::matches(p)) return launch_route<Shape, SoftmaxBf16>(p, stream);
+        }
+      }
       return launch_route_spec<
           Shape, true, Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
           Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,

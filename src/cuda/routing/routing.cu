@@ -229,7 +229,8 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
 // T = 4096 / 65536): fp32 generic 41.3 / 486, specialised 31.7 / 314; before route_warp_wide
 // 49.8 / 625. Sigmoid + bias, E = 576 fp32 T = 1 / 4096 / 65536: 3.59 / 13.4 / 118 against the
 // generic kernel's 4.82 / 15.9 / 155 (session 13). Group limits past E = 512 keep route_warp
-// (their paths rank from the whole row in registers; generic kernel).
+// (their paths rank from the whole row in registers): packed buffers and specialised sigmoid + bias
+// kernels up to E = 1024, the generic kernel on plain buffers past it.
 // Rows of 513-1024 experts without a group limit, K >= 2: route_warp (the row in registers, packed
 // buffers) instead of route_warp_wide from this many rows on, for bf16 sigmoid + bias -> normalize
 // and fp32 / bf16 none -> softmax. Measured on the H200 (K = 8, us, same call, two runs, route_warp

@@ -294,6 +294,13 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
   return p;
 }
 
+// Whether every packed-key bucket of p's rows holds one key (bf16 / fp16 logits without pre function
+// or bias: the low 16 bits of their keys are 0), so that the packed top-K needs no collision check
+// (select_top_k_packed's bucket_exact).
+__host__ __device__ __forceinline__ bool bucket_exact_keys(const RouteParams& p) {
+  return p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
+}
+
 // Whether route_warp_wide should run on packed candidate buffers for p (its kPackedTopK, chosen by
 // the launcher so that each kernel holds one of the two forms: a kernel holding both was up to 30%
 // slower below the threshold, session 13): bf16 / fp16 logits without pre function or bias at every
@@ -302,11 +309,9 @@ inline RouteParams make_route_params(const detail::RouteArgs& a) {
 // row is the call's time). SWITCHYARD_ROUTE_WIDE_PACKED=always (environment, read per call) puts
 // every T on them: a testing knob, not needed for correct results.
 inline bool wide_packed_buffers(const RouteParams& p) {
-  const bool bucket_exact =
-      p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
   const char* knob = std::getenv("SWITCHYARD_ROUTE_WIDE_PACKED");
   const bool always = knob != nullptr && std::strcmp(knob, "always") == 0;
-  return bucket_exact || always || p.num_tokens >= kWidePackedMinTokens;
+  return bucket_exact_keys(p) || always || p.num_tokens >= kWidePackedMinTokens;
 }
 
 // Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)
@@ -889,6 +894,12 @@ inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
                                                                : 11;
 template <class Shape>
 inline constexpr std::uint32_t kIndexMask = ~(~0u << kIndexBits<Shape>);
+// The packed key of value j of a lane (its expert value_base(j) + lane4) with selection key `key`;
+// lane_inv = kIndexMask - lane4.
+template <class Shape>
+__device__ __forceinline__ std::uint32_t packed_key(std::uint32_t key, std::uint32_t lane_inv, int j) {
+  return (key & ~kIndexMask<Shape>) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(j)));
+}
 // K = 1 takes the plain pass: one round saves less than the packed pass's checks cost (measured on
 // the H200, llama4-maverick E=128 K=1 fp32, T = 65536: 24.7 us packed rounds against 22.1 plain;
 // 26.75 on packed buffers against 22.03, so routing.cu's K = 1 kernels do not use those either).
@@ -1063,8 +1074,8 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
   }
 }
 
-// Packed candidate buffers (route_warp with kPackedTopK: whole-warp rows up to E = 512; routing.cu
-// uses them for K >= kPackedMinK). A lane keeps packed keys only: a value's key with its low
+// Packed candidate buffers (route_warp with kPackedTopK: whole-warp rows up to E = 1024; routing.cu
+// uses them for K >= kPackedMinK; route_warp_wide's up to E = 2048). A lane keeps packed keys only: a value's key with its low
 // kIndexBits bits (the bucket is what is left) replaced by the inverted expert index, so one
 // unsigned compare orders (bucket desc, expert asc), and the buffer insert is five min / max
 // instructions (eight per two values, packed_insert2) instead of compares and selects on a key
@@ -1532,23 +1543,18 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
           make_uint4(key[4 * i], key[4 * i + 1], key[4 * i + 2], key[4 * i + 3]);
     }
     __syncwarp();  // also for sp (step 3)
-    constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-    const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
+    const std::uint32_t lane_inv = kIndexMask<Shape> - static_cast<std::uint32_t>(lane4);
     std::uint32_t bp[D] = {}, pnext = 0u;
-    const auto packed_key = [&](int j) {
-      return (key[j] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(j)));
-    };
     if constexpr (D == 2) {
 #pragma unroll
-      for (int j = 0; j < V; j += 2) packed_insert2(bp, pnext, packed_key(j), packed_key(j + 1));
+      for (int j = 0; j < V; j += 2)
+        packed_insert2(bp, pnext, packed_key<Shape>(key[j], lane_inv, j), packed_key<Shape>(key[j + 1], lane_inv, j + 1));
     } else {
 #pragma unroll
-      for (int j = 0; j < V; ++j) packed_insert<D>(bp, pnext, packed_key(j));
+      for (int j = 0; j < V; ++j) packed_insert<D>(bp, pnext, packed_key<Shape>(key[j], lane_inv, j));
     }
-    const bool bucket_exact =
-        p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
     select_top_k_packed<Shape, false>(
-        K, sl, lane4, bp, pnext, bucket_exact, [&](int e) { return skey[e]; }, pick_key, pick_e,
+        K, sl, lane4, bp, pnext, bucket_exact_keys(p), [&](int e) { return skey[e]; }, pick_key, pick_e,
         /*keys_needed=*/p.bias == nullptr, refill_from([&](int i, std::uint32_t(&keys)[4]) {
           const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
           keys[0] = q.x;
@@ -1732,16 +1738,11 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   // function or bias have one key per bucket: no collision check and no full keys.
   constexpr bool packed = kPackedTopK && kPackedKeys<Shape>;
   if constexpr (packed) {
-    const bool bucket_exact =
-        p.pre == PreFn::kNone && p.bias == nullptr && p.logits_dtype != static_cast<int>(DType::kFloat32);
-    constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-    const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
+    const std::uint32_t lane_inv = kIndexMask<Shape> - static_cast<std::uint32_t>(lane4);
     std::uint32_t bp[D] = {}, pnext = 0u;
     visit_keys([&](int i, const std::uint32_t(&key)[4]) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        packed_insert<D>(bp, pnext,
-                         (key[c] & ~kIdx) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c))));
+      for (int c = 0; c < 4; ++c) packed_insert<D>(bp, pnext, packed_key<Shape>(key[c], lane_inv, 4 * i + c));
     });
     // The key of expert e: wide_stripe_keys' arithmetic for one value (softmax_pre and
     // elementwise_pre give the bits of its fast and general paths).
@@ -1752,18 +1753,11 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
       return canonical_key(q);
     };
     // With a bias finish_row takes p from the logit: the picks' keys are not needed there.
-    select_top_k_packed<Shape, true>(K, sl, lane4, bp, pnext, bucket_exact, full_key, pick_key, pick_e,
+    select_top_k_packed<Shape, true>(K, sl, lane4, bp, pnext, bucket_exact_keys(p), full_key, pick_key, pick_e,
                                      /*keys_needed=*/p.bias == nullptr, refill);
-  }
-  if constexpr (!packed) {
-    std::uint32_t bk[D];
-    int bb[D];
-#pragma unroll
-    for (int d = 0; d < D; ++d) {
-      bk[d] = 0u;
-      bb[d] = 0;
-    }
-    std::uint32_t next = 0u;
+  } else {
+    std::uint32_t bk[D] = {}, next = 0u;
+    int bb[D] = {};
     visit_keys([&](int i, const std::uint32_t(&key)[4]) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) buffer_insert<D>(bk, bb, next, key[c], value_base<Shape>(4 * i + c));

@@ -89,12 +89,10 @@ struct SpecTraits<SpecGeneric> {
 // bf16 logits without pre function or bias, and only from route_warp_wide's kWidePackedMinTokens
 // rows on for other keys). Measured on the H200 (wide-2048, us, same call): bf16 packed rounds
 // T = 4096 / 65536 29.4 / 299 against 31.4 / 319 (session 10); packed buffers bf16 23.8 / 219
-// against 29.4 / 298, fp32 T = 65536 261 against 313 (session 12). (A variable template rather
-// than a SpecTraits member: only the wide kernels read it.)
+// against 29.4 / 298, fp32 T = 65536 261 against 313 (session 12). kSpecialised: SpecT is a Spec,
+// not SpecGeneric.
 template <class SpecT>
-constexpr bool kPackedWide = false;
-template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarly>
-constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroup, kPost, kEarly>> = true;
+constexpr bool kSpecialised = !std::is_same_v<SpecT, SpecGeneric>;
 
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
@@ -107,7 +105,7 @@ constexpr bool kPackedWide<Spec<kDtype, kPre, kBias, kGroup, kPost, kEarly>> = t
 template <class Shape, class SpecT, bool kWide>
 constexpr int route_min_blocks() {
   if (kWide) return 3;
-  return (Shape::W == 32 && Shape::S >= 2 && Shape::S <= 3 && !std::is_same_v<SpecT, SpecGeneric> &&
+  return (Shape::W == 32 && Shape::S >= 2 && Shape::S <= 3 && kSpecialised<SpecT> &&
           !SpecTraits<SpecT>::kEarlyBias)
              ? 8
              : 1;
@@ -174,12 +172,12 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
                        smem_per_warp * warps_per_block, stream, /*pdl=*/true, p);
 }
 
-// The kernel of SpecT: for wide rows, the one with packed candidate buffers where kPackedWide<SpecT>
-// and routing::wide_packed_buffers(p) ask for them, else the one with plain buffers.
+// The kernel of SpecT: for wide rows, the one with packed candidate buffers where SpecT is a
+// specialisation and routing::wide_packed_buffers(p) asks for them, else the one with plain buffers.
 template <class Shape, class SpecT, bool kWide>
 Status launch_route_for(const RouteParams& p, cudaStream_t stream) {
   if constexpr (kWide) {
-    if constexpr (kPackedWide<SpecT>) {
+    if constexpr (kSpecialised<SpecT>) {
       if (routing::wide_packed_buffers(p)) return launch_route<Shape, SpecT, true, true>(p, stream);
     }
     return launch_route<Shape, SpecT, true, false>(p, stream);
@@ -211,15 +209,23 @@ Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
 // deepseek-v3 the 32-register cap of route_min_blocks removed that (7.49 / 7.27 at T = 4096);
 // qwen3-next (4 stripes, 42-58 registers) still shows it (8.8 fp32 against 8.2 bf16). Why one
 // wave of 512 blocks depends so much on the register count is not understood.
+// Past 4 stripes (513-1024 experts) only rows with a group limit reach these kernels
+// (launch_route_shape): sigmoid + bias -> normalize on either group path.
 template <class Shape, DType kDtype>
 Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
-  return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
-                           Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
-                           Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
-                           Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
-                           Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-                           Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(
-      p, stream);
+  if constexpr (Shape::S > 4) {
+    return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
+                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(
+        p, stream);
+  } else {
+    return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
+                             Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
+                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
+                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
+                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
+                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(
+        p, stream);
+  }
 }
 
 // Wide rows (route_warp_wide, E > 512 without a group limit): the generic kernel (80 registers,
@@ -266,26 +272,10 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
           Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>, SpecGeneric>(p, stream);
     }
   }
-  if constexpr (Shape::W == 32 && Shape::S > 4 && routing::kPackedBuffers<Shape>) {
-    // Rows of 513-1024 experts with a group limit: route_warp on packed candidate buffers (K >= 2),
-    // specialised for sigmoid + bias -> normalize with either group path.
-    if (p.top_k < routing::dev::kPackedMinK) return launch_route<Shape, SpecGeneric, false, false>(p, stream);
-    if (p.logits_dtype == static_cast<int>(DType::kFloat32)) {
-      return launch_route_spec<Shape, false,
-                               Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
-                               Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>,
-                               SpecGeneric>(p, stream);
-    }
-    if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) {
-      return launch_route_spec<Shape, false,
-                               Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
-                               Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>,
-                               SpecGeneric>(p, stream);
-    }
-  }
-  if constexpr (Shape::W == 32 && Shape::S <= 4) {
-    // Top-K: K >= 2 takes route_warp's packed candidate buffers (select_top_k_packed) in every
-    // kernel below (measured against the earlier forms: bench/results/README.md, session 11).
+  if constexpr (routing::kPackedBuffers<Shape>) {
+    // Whole-warp rows up to E = 1024 (past 512: with a group limit) on route_warp. Top-K: K >= 2
+    // takes the packed candidate buffers (select_top_k_packed) in every kernel below (measured
+    // against the earlier forms: bench/results/README.md, session 11).
     // K = 1 keeps the plain top-K pass: measured on the H200, llama4-maverick (E=128, K=1, generic
     // kernel) at T = 16384 / 65536 took 7.92 / 26.75 us on the packed buffers against 6.77 / 22.03.
     if (p.top_k < routing::dev::kPackedMinK) return launch_route<Shape, SpecGeneric, false, false>(p, stream);

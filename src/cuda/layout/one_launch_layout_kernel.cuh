@@ -35,11 +35,15 @@
 //    than the 3-launch pipeline past ~12k picks. Blocks exit only after every block has read
 //    their counts (second cluster barrier, split arrive/wait).
 //
-// Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 2.2 / 2.2 / 2.7 / 3.5 us at
-// T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.6 /
-// 7.5 / 9.9 us at T = 1024 / 4096 / 8192 (session 8). Both are latency/issue bound (ncu, session 3:
-// IPC 1.2-1.7 with 16 warps per SM; then ~1000 instructions per warp at T = 256, a third of them ballot
-// ranking rounds, which the bitmaps replaced there).
+// Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 2.2 / 2.2 / 2.7 / 3.4 us at
+// T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.4 /
+// 7.0 / 9.3 us at T = 1024 / 4096 / 8192 (session 14; 5.6 / 7.5 / 10.0 in session 8). Both are
+// latency/issue bound (ncu, session 3: IPC 1.2-1.7 with 16 warps per SM; then ~1000 instructions
+// per warp at T = 256, a third of them ballot ranking rounds, which the bitmaps replaced there).
+// The cluster form at T = 4096 (clock64 per block, session 14, ~13000 cycles in all): ids and keys
+// ~1250, ranking ~700, per-expert pass ~900, first cluster barrier ~900, count exchange ~2000
+// (loads from the other blocks' shared memory; it barely shrinks with 4x fewer requests, and more
+// loads per thread), scan ~1200, tiles ~650, row staging ~1550, row stores ~1850, tail ~1600.
 //
 // Deterministic: the atomics add up the dropped count (a sum, order-free) and OR bits into the
 // bitmaps (order-free); ballot ranks come from ballots within 32 picks (match_key) and per-warp
@@ -120,13 +124,19 @@ __host__ __device__ inline constexpr std::size_t rank_region_words(int L, int wo
 
 // Dynamic shared memory (int32): the ranking region, offs[L + 1], ends[L], long_runs[L]; the
 // cluster form adds base[L] (row of the block's first pick of l), block_counts[L + 1] ([L] =
-// dropped ids), lstart[L] (the block's first staged pick of l) and the staging arrays
-// stage_x[chunk], stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form),
-// `words` is LayoutParams::rank_words.
+// dropped ids; 16-byte aligned and padded to whole int4s: the other blocks load it by int4),
+// lstart[L] (the block's first staged pick of l) and the staging arrays stage_x[chunk],
+// stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form), `words` is
+// LayoutParams::rank_words.
+__host__ __device__ inline constexpr int count_quads(int L) { return (L + 1 + 3) / 4; }
+__host__ __device__ inline constexpr std::size_t block_counts_word(int L, int words) {
+  return (rank_region_words(L, words) + 4 * static_cast<std::size_t>(L) + 1 + 3) / 4 * 4;
+}
 __host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0,
                                                                        int words = 0) {
-  return (rank_region_words(L, words) + static_cast<std::size_t>(3 + (cluster ? 3 : 0)) * L + 1 +
-          (cluster ? 1 : 0) + (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
+  return (cluster ? block_counts_word(L, words) + 4 * static_cast<std::size_t>(count_quads(L)) + L +
+                        2 * static_cast<std::size_t>(chunk)
+                  : rank_region_words(L, words) + 3 * static_cast<std::size_t>(L) + 1) *
          4;
 }
 
@@ -271,8 +281,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int* ends = offs + L + 1;                           // [L]
   int* long_runs = ends + L;                          // [L]
   int* base = kCluster ? long_runs + L : offs;        // [L]
-  int* block_counts = kCluster ? base + L : ends;     // [L + 1] (cluster form only)
-  int* lstart = block_counts + L + 1;                 // [L] (cluster form only)
+  int* block_counts = kCluster ? dyn + block_counts_word(L, W) : ends;  // [L + 1] (see one_launch_smem_bytes)
+  int* lstart = block_counts + 4 * count_quads(L);    // [L] (cluster form only)
   int* stage_x = lstart + L;                          // [chunk] (cluster form only)
 
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
@@ -412,30 +422,52 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int dropped_total = 0;
   namespace cg = cooperative_groups;
   if constexpr (kCluster) {
-    if (tid == 0) block_counts[L] = sh.dropped;
+    if (tid == 0) {
+      block_counts[L] = sh.dropped;
+      for (int i = L + 1; i < 4 * count_quads(L); ++i) block_counts[i] = 0;  // (loaded with the rest, unused)
+    }
     cg::this_cluster().sync();  // every block's counts are published
     // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks.
     const int* remote[CB];
 #pragma unroll
     for (int b = 0; b < CB; ++b) remote[b] = cg::this_cluster().map_shared_rank(block_counts, b);
-    for (int l = e_begin; l < e_end; ++l) {
-      int v[CB];
+    // By quads of experts, one int4 load per block and quad (the last quad's words past L - 1 are
+    // dropped). Measured on the H200 (E=256 K=8 M=128, T = 1024 / 4096 / 8192, us): 5.38 / 6.98 /
+    // 9.34 against 5.32 / 7.14 / 9.39 loading one int per expert; E=512 K=10 T = 4096 9.72 against
+    // 9.89. Spreading the same loads over all threads (a few per thread, gathered in shared memory
+    // first) took 6.18 / 7.88 / 9.70; pushing the counts instead, by st.async of every int4 into
+    // each block (an mbarrier counting the bytes, no cluster barrier) 5.65 / 7.68 / 9.90, by one
+    // bulk copy per block pair 5.24 / 6.93 / 9.18 but E=512 10.06 (and memcheck reported errors).
+    for (int q = tid; q < (L + 3) >> 2; q += kOneThreads) {
+      int4 v[CB];
 #pragma unroll
-      for (int b = 0; b < CB; ++b) v[b] = remote[b][l];
-      int before = 0;
-      int c = 0;
+      for (int b = 0; b < CB; ++b) v[b] = reinterpret_cast<const int4*>(remote[b])[q];
+      int4 before = {0, 0, 0, 0};
+      int4 c = {0, 0, 0, 0};
 #pragma unroll
       for (int b = 0; b < CB; ++b) {
-        before += b < block ? v[b] : 0;
-        c += v[b];
+        const bool earlier = b < block;
+        before.x += earlier ? v[b].x : 0;
+        before.y += earlier ? v[b].y : 0;
+        before.z += earlier ? v[b].z : 0;
+        before.w += earlier ? v[b].w : 0;
+        c.x += v[b].x;
+        c.y += v[b].y;
+        c.z += v[b].z;
+        c.w += v[b].w;
       }
-      base[l] = before;
-      ends[l] = c;
+      const int l = 4 * q;
+      base[l] = before.x;
+      ends[l] = c.x;
+      if (l + 1 < L) base[l + 1] = before.y, ends[l + 1] = c.y;
+      if (l + 2 < L) base[l + 2] = before.z, ends[l + 2] = c.z;
+      if (l + 3 < L) base[l + 3] = before.w, ends[l + 3] = c.w;
     }
     if (block == 0 && tid == 0) {
 #pragma unroll
       for (int b = 0; b < CB; ++b) dropped_total += remote[b][L];
     }
+    __syncthreads();  // base, ends complete (by quads, not by the threads' experts)
   } else {
     dropped_total = sh.dropped;
   }
@@ -503,9 +535,11 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       p.totals[2] = dropped_total;
     }
   }
-  // The cluster form is done reading the other blocks' shared memory; they may exit once every
-  // thread has arrived (the wait is at the very end).
-  if constexpr (kCluster) __cluster_barrier_arrive();
+  // The cluster form is done reading the other blocks' shared memory (the values are in use above);
+  // they may exit once every thread has arrived (the wait is at the very end). A relaxed arrive:
+  // the release form fences first (MEMBAR.ALL.GPU), waiting for this thread's global stores of
+  // counts, offsets and tiles above, ~1000 cycles on the H200.
+  if constexpr (kCluster) __cluster_barrier_arrive_relaxed();
   __syncthreads();  // offs, ends, base complete (one-block form: its fills are ordered before what follows)
 
   // 4a. The real rows (the one-block form: those in its row slice; it ranked every pick) and
@@ -571,14 +605,18 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   }
 
   if constexpr (kCluster) {
-    for (int t = max(t0, num_tiles) + tid; t < t1; t += kOneThreads) {
+    // The tiles past num_tiles and (4c, below) the rows past padded_total, split evenly over the
+    // blocks: by the capacity's tile and row slices, the last blocks held them all.
+    int f0, f1;
+    part_range(p.capacity_tiles - num_tiles, block, CB, f0, f1);
+    for (int t = num_tiles + f0 + tid; t < num_tiles + f1; t += kOneThreads) {
       p.tile_expert[t] = -1;
       p.tile_row_end[t] = static_cast<int>(static_cast<long long>(t) * M);
     }
     // 4c. The rows that hold no pick, each written once (no row is written twice, so no block
     //     waits for another's stores): the padding rows [ends[l], offs[l + 1]) of the experts of
-    //     this block's expert slice, a warp per expert; the rows past padded_total in this
-    //     block's row slice. (Giving expert l's padding to the block that holds its last pick
+    //     this block's expert slice, a warp per expert; this block's part of the rows past
+    //     padded_total. (Giving expert l's padding to the block that holds its last pick
     //     instead put nearly all of it on the last block: 10.9 us instead of 5.9 at N = 8192.)
     for (int l = l0 + warp; l < l1; l += kOneWarps) {  // warp-uniform
       for (int r = ends[l] + lane; r < offs[l + 1]; r += 32) {
@@ -586,7 +624,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
         p.permuted_to_token[r] = pad_token;
       }
     }
-    for (int r = max(r0, padded_total) + tid; r < r1; r += kOneThreads) {
+    part_range(p.capacity_rows - padded_total, block, CB, f0, f1);
+    for (int r = padded_total + f0 + tid; r < padded_total + f1; r += kOneThreads) {
       p.permuted_to_expanded[r] = pad_expanded;
       p.permuted_to_token[r] = pad_token;
     }

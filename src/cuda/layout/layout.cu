@@ -74,12 +74,16 @@ bool fine_chunks(long long picks, int num_local) {
   return ceil_div(picks, kFineChunk) * std::max(num_local, 1) <= kFineMaxHistEntries;
 }
 
-// Chunks the workspace must hold for any N' <= N: a workspace sized for a shape bound must serve
-// every smaller call, and the chunk count drops where the chunk grows (N = 131072 -> 131073, and
-// where the chunks of 2048 give way to those of 4096).
+// Chunks (rows of L counts) the workspace must hold for any N' <= N: a workspace sized for a shape
+// bound must serve every smaller call, and the chunk count drops where the chunk grows (N = 131072
+// -> 131073, and where the chunks of 2048 give way to those of 4096). At least
+// kMaxClusterBlocks at every N: the cluster form's blocks exchange their counts there, and it can
+// run at any N <= kCluster16MaxPicks (where the one-block form's shared memory does not fit, or
+// when a path is forced).
+constexpr long long kMaxClusterBlocks = 16;
 long long workspace_chunks(long long picks, int num_local) {
-  if (picks <= kSmallMaxPicks) return 0;
-  long long chunks = ceil_div(std::min(picks, kMediumMaxPicks), kMediumChunk);
+  if (picks <= kSmallMaxPicks) return kMaxClusterBlocks;
+  long long chunks = std::max(kMaxClusterBlocks, ceil_div(std::min(picks, kMediumMaxPicks), kMediumChunk));
   if (picks > kMediumMaxPicks) {
     chunks = std::max(chunks, ceil_div(picks, kLargeChunk));
     // The most fine chunks any N' <= N takes: ceil(N' / 2048) * L <= kFineMaxHistEntries.
@@ -98,7 +102,6 @@ struct WorkspaceLayout {
 WorkspaceLayout workspace_layout(long long picks, int num_local) {
   WorkspaceLayout w;
   const long long chunks = workspace_chunks(picks, num_local);
-  if (chunks == 0) return w;
   w.hist_offset = 0;
   w.dropped_offset =
       align_up(static_cast<std::size_t>(chunks) * std::max(num_local, 0) * sizeof(std::int32_t));
@@ -140,6 +143,11 @@ LayoutParams make_params(const detail::LayoutArgs& a) {
   p.tile_expert = a.tile_expert;
   p.tile_row_end = a.tile_row_end;
   p.totals = a.totals;
+  // The workspace's chunk rows (the chunked pipeline's histograms; the cluster form's counts).
+  const WorkspaceLayout w = workspace_layout(static_cast<long long>(p.num_picks), p.num_local);
+  char* base = static_cast<char*>(a.workspace);
+  p.chunk_hist = reinterpret_cast<std::int32_t*>(base + w.hist_offset);
+  p.chunk_dropped = reinterpret_cast<std::int32_t*>(base + w.dropped_offset);
   return p;
 }
 
@@ -381,13 +389,9 @@ Status launch_small(const LayoutParams& p, cudaStream_t stream) {
 }
 
 template <int THREADS, int ITEMS, typename Id>
-Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t stream) {
-  const WorkspaceLayout w = workspace_layout(p.num_picks, p.num_local);
-  char* base = static_cast<char*>(a.workspace);
+Status launch_chunked(LayoutParams p, cudaStream_t stream) {
   p.chunk_picks = THREADS * ITEMS;
   p.num_chunks = static_cast<int>(ceil_div(p.num_picks, p.chunk_picks));
-  p.chunk_hist = reinterpret_cast<std::int32_t*>(base + w.hist_offset);
-  p.chunk_dropped = reinterpret_cast<std::int32_t*>(base + w.dropped_offset);
   const dim3 chunks(static_cast<unsigned>(p.num_chunks));
   const std::size_t hist_bytes = static_cast<std::size_t>(p.num_local) * sizeof(std::int32_t);
   constexpr auto histogram = layout_detail::chunk_histogram_kernel<THREADS, ITEMS, Id>;
@@ -404,11 +408,11 @@ Status launch_chunked(LayoutParams p, const detail::LayoutArgs& a, cudaStream_t 
 // The paths of several kernels: one sorting kernel (N <= kSmallMaxPicks), else histogram, scan
 // and scatter kernels over chunks.
 template <typename Id>
-Status launch_multi_kernel(const LayoutParams& p, const detail::LayoutArgs& a, cudaStream_t stream) {
+Status launch_multi_kernel(const LayoutParams& p, cudaStream_t stream) {
   if (p.num_picks <= kSmallMaxPicks) return launch_small<Id>(p, stream);
-  if (p.num_picks <= kMediumMaxPicks) return launch_chunked<kMediumThreads, kMediumItems, Id>(p, a, stream);
-  if (fine_chunks(p.num_picks, p.num_local)) return launch_chunked<kLargeThreads, kFineItems, Id>(p, a, stream);
-  return launch_chunked<kLargeThreads, kLargeItems, Id>(p, a, stream);
+  if (p.num_picks <= kMediumMaxPicks) return launch_chunked<kMediumThreads, kMediumItems, Id>(p, stream);
+  if (fine_chunks(p.num_picks, p.num_local)) return launch_chunked<kLargeThreads, kFineItems, Id>(p, stream);
+  return launch_chunked<kLargeThreads, kLargeItems, Id>(p, stream);
 }
 
 enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kChunked };
@@ -441,14 +445,14 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
       if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
       break;
     case ForcedPath::kChunked:
-      return launch_multi_kernel<Id>(p, a, stream);
+      return launch_multi_kernel<Id>(p, stream);
     case ForcedPath::kNone:
       break;
   }
   if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
   if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
   if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
-  return launch_multi_kernel<Id>(p, a, stream);
+  return launch_multi_kernel<Id>(p, stream);
 }
 
 }  // namespace

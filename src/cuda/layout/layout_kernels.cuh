@@ -86,7 +86,8 @@ struct LayoutParams {
   // picks (one per 32 tokens, to whole kRankWordsBatch), or 0 to rank by ballots
   // (one_launch_layout_kernel.cuh).
   int rank_words = 0;
-  // Large path only: B chunks of `chunk_picks` picks; hist [B][L] and dropped [B] in workspace.
+  // Chunked path: B chunks of `chunk_picks` picks; hist [B][L] and dropped [B] in workspace. The
+  // cluster form uses the first CB rows of both for its blocks' counts.
   int num_chunks = 0;
   int chunk_picks = 0;
   std::int32_t* chunk_hist = nullptr;

@@ -25,25 +25,26 @@
 //    there), tiles, picks x (expanded_to_permuted) and experts (counts, offsets). No block waits
 //    for another.
 //  * cluster_layout_kernel<CB> (medium N): ONE thread-block cluster of CB = 8 or 16 blocks; block b
-//    ranks chunk b of the picks (contiguous in x). Each block publishes its per-expert counts in
-//    shared memory; after a cluster barrier every block reads all of them through distributed
-//    shared memory (before[l] = picks of l in earlier chunks, counts[l] = the sum), scans the
-//    padded counts itself, and writes the rows of its own picks. Those rows are staged in shared
+//    ranks chunk b of the picks (contiguous in x). Each block stores its per-expert counts into
+//    the workspace; after a cluster barrier every block loads all of them (before[l] = picks of l
+//    in earlier chunks, counts[l] = the sum), scans the padded counts itself, and writes the rows
+//    of its own picks. Those rows are staged in shared
 //    memory in expert order first (the block's picks of expert l fill one contiguous run of rows),
 //    so that the global stores of consecutive threads hit consecutive rows: written straight from
 //    the ranking, every pick was its own uncoalesced store, which made the cluster form slower
-//    than the 3-launch pipeline past ~12k picks. Blocks exit only after every block has read
-//    their counts (second cluster barrier, split arrive/wait).
+//    than the 3-launch pipeline past ~12k picks. (The cluster is there for its barrier: the
+//    counts went through distributed shared memory up to session 13, which was slower.)
 //
 // Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 2.2 / 2.2 / 2.7 / 3.4 us at
-// T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.4 /
-// 7.0 / 9.3 us at T = 1024 / 4096 / 8192 (session 14; 5.6 / 7.5 / 10.0 in session 8). Both are
+// T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.0 /
+// 6.5 / 8.9 us at T = 1024 / 4096 / 8192 (session 14; 5.6 / 7.5 / 9.9 in session 8). Both are
 // latency/issue bound (ncu, session 3: IPC 1.2-1.7 with 16 warps per SM; then ~1000 instructions
 // per warp at T = 256, a third of them ballot ranking rounds, which the bitmaps replaced there).
-// The cluster form at T = 4096 (clock64 per block, session 14, ~13000 cycles in all): ids and keys
-// ~1250, ranking ~700, per-expert pass ~900, first cluster barrier ~900, count exchange ~2000
-// (loads from the other blocks' shared memory; it barely shrinks with 4x fewer requests, and more
-// loads per thread), scan ~1200, tiles ~650, row staging ~1550, row stores ~1850, tail ~1600.
+// A clock64 timeline of the cluster form at T = 4096 (per block, session 14, before the change to
+// the workspace exchange; ~13000 cycles in all): ids and keys ~1250, ranking ~700, per-expert pass
+// ~900, cluster barrier ~900, count exchange ~2000, scan ~1200, tiles ~650 (~1100 while the
+// second cluster barrier's release fence waited for their stores), row staging ~1550, row stores
+// ~1850, the rest ~1600.
 //
 // Deterministic: the atomics add up the dropped count (a sum, order-free) and OR bits into the
 // bitmaps (order-free); ballot ranks come from ballots within 32 picks (match_key) and per-warp
@@ -123,20 +124,14 @@ __host__ __device__ inline constexpr std::size_t rank_region_words(int L, int wo
 }
 
 // Dynamic shared memory (int32): the ranking region, offs[L + 1], ends[L], long_runs[L]; the
-// cluster form adds base[L] (row of the block's first pick of l), block_counts[L + 1] ([L] =
-// dropped ids; 16-byte aligned and padded to whole int4s: the other blocks load it by int4),
-// lstart[L] (the block's first staged pick of l) and the staging arrays stage_x[chunk],
-// stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form), `words` is
-// LayoutParams::rank_words.
-__host__ __device__ inline constexpr int count_quads(int L) { return (L + 1 + 3) / 4; }
-__host__ __device__ inline constexpr std::size_t block_counts_word(int L, int words) {
-  return (rank_region_words(L, words) + 4 * static_cast<std::size_t>(L) + 1 + 3) / 4 * 4;
-}
+// cluster form adds base[L] (row of the block's first pick of l), block_counts[L], lstart[L] (the
+// block's first staged pick of l) and the staging arrays
+// stage_x[chunk], stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form),
+// `words` is LayoutParams::rank_words.
 __host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0,
                                                                        int words = 0) {
-  return (cluster ? block_counts_word(L, words) + 4 * static_cast<std::size_t>(count_quads(L)) + L +
-                        2 * static_cast<std::size_t>(chunk)
-                  : rank_region_words(L, words) + 3 * static_cast<std::size_t>(L) + 1) *
+  return (rank_region_words(L, words) + static_cast<std::size_t>(3 + (cluster ? 3 : 0)) * L + 1 +
+          (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
          4;
 }
 
@@ -281,8 +276,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int* ends = offs + L + 1;                           // [L]
   int* long_runs = ends + L;                          // [L]
   int* base = kCluster ? long_runs + L : offs;        // [L]
-  int* block_counts = kCluster ? dyn + block_counts_word(L, W) : ends;  // [L + 1] (see one_launch_smem_bytes)
-  int* lstart = block_counts + 4 * count_quads(L);    // [L] (cluster form only)
+  int* block_counts = kCluster ? base + L : ends;     // [L] (cluster form only)
+  int* lstart = block_counts + L;                     // [L] (cluster form only)
   int* stage_x = lstart + L;                          // [chunk] (cluster form only)
 
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
@@ -422,52 +417,40 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int dropped_total = 0;
   namespace cg = cooperative_groups;
   if constexpr (kCluster) {
-    if (tid == 0) {
-      block_counts[L] = sh.dropped;
-      for (int i = L + 1; i < 4 * count_quads(L); ++i) block_counts[i] = 0;  // (loaded with the rest, unused)
-    }
+    // The blocks' counts meet in the workspace (L2): block b stores its counts into
+    // chunk_hist[b][0..L) and its dropped ids into chunk_dropped[b], the cluster barrier's release
+    // (MEMBAR.ALL.GPU) publishes them, and every block loads the CB rows (128-byte lines).
+    // Measured on the H200 (E=256 K=8 M=128 T = 1024 / 4096 / 8192, us): 4.96 / 6.52 / 8.88
+    // against 5.46 / 7.12 / 9.17 for the best exchange through distributed shared memory (int4
+    // loads of every block's counts, ~2000 cycles of the kernel's ~13000 at T = 4096 whatever the
+    // number of requests; a cluster barrier after them); E=512 K=10 T = 1024 / 4096 6.26 / 8.78
+    // against 7.36 / 9.71. Pushing the counts into every block by st.async (an mbarrier counting
+    // the bytes) or by one bulk copy per block pair was no faster than the loads (session 14).
+    for (int l = e_begin; l < e_end; ++l) p.chunk_hist[block * L + l] = block_counts[l];
+    if (tid == 0) p.chunk_dropped[block] = sh.dropped;
     cg::this_cluster().sync();  // every block's counts are published
     // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks.
-    const int* remote[CB];
+    for (int l = e_begin; l < e_end; ++l) {
+      int v[CB];
 #pragma unroll
-    for (int b = 0; b < CB; ++b) remote[b] = cg::this_cluster().map_shared_rank(block_counts, b);
-    // By quads of experts, one int4 load per block and quad (the last quad's words past L - 1 are
-    // dropped). Measured on the H200 (E=256 K=8 M=128, T = 1024 / 4096 / 8192, us): 5.38 / 6.98 /
-    // 9.34 against 5.32 / 7.14 / 9.39 loading one int per expert; E=512 K=10 T = 4096 9.72 against
-    // 9.89. Spreading the same loads over all threads (a few per thread, gathered in shared memory
-    // first) took 6.18 / 7.88 / 9.70; pushing the counts instead, by st.async of every int4 into
-    // each block (an mbarrier counting the bytes, no cluster barrier) 5.65 / 7.68 / 9.90, by one
-    // bulk copy per block pair 5.24 / 6.93 / 9.18 but E=512 10.06 (and memcheck reported errors).
-    for (int q = tid; q < (L + 3) >> 2; q += kOneThreads) {
-      int4 v[CB];
-#pragma unroll
-      for (int b = 0; b < CB; ++b) v[b] = reinterpret_cast<const int4*>(remote[b])[q];
-      int4 before = {0, 0, 0, 0};
-      int4 c = {0, 0, 0, 0};
+      for (int b = 0; b < CB; ++b) v[b] = __ldcg(p.chunk_hist + b * L + l);
+      int before = 0;
+      int c = 0;
 #pragma unroll
       for (int b = 0; b < CB; ++b) {
-        const bool earlier = b < block;
-        before.x += earlier ? v[b].x : 0;
-        before.y += earlier ? v[b].y : 0;
-        before.z += earlier ? v[b].z : 0;
-        before.w += earlier ? v[b].w : 0;
-        c.x += v[b].x;
-        c.y += v[b].y;
-        c.z += v[b].z;
-        c.w += v[b].w;
+        before += b < block ? v[b] : 0;
+        c += v[b];
       }
-      const int l = 4 * q;
-      base[l] = before.x;
-      ends[l] = c.x;
-      if (l + 1 < L) base[l + 1] = before.y, ends[l + 1] = c.y;
-      if (l + 2 < L) base[l + 2] = before.z, ends[l + 2] = c.z;
-      if (l + 3 < L) base[l + 3] = before.w, ends[l + 3] = c.w;
+      base[l] = before;
+      ends[l] = c;
     }
     if (block == 0 && tid == 0) {
+      int v[CB];
 #pragma unroll
-      for (int b = 0; b < CB; ++b) dropped_total += remote[b][L];
+      for (int b = 0; b < CB; ++b) v[b] = __ldcg(p.chunk_dropped + b);
+#pragma unroll
+      for (int b = 0; b < CB; ++b) dropped_total += v[b];
     }
-    __syncthreads();  // base, ends complete (by quads, not by the threads' experts)
   } else {
     dropped_total = sh.dropped;
   }
@@ -535,11 +518,6 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       p.totals[2] = dropped_total;
     }
   }
-  // The cluster form is done reading the other blocks' shared memory (the values are in use above);
-  // they may exit once every thread has arrived (the wait is at the very end). A relaxed arrive:
-  // the release form fences first (MEMBAR.ALL.GPU), waiting for this thread's global stores of
-  // counts, offsets and tiles above, ~1000 cycles on the H200.
-  if constexpr (kCluster) __cluster_barrier_arrive_relaxed();
   __syncthreads();  // offs, ends, base complete (one-block form: its fills are ordered before what follows)
 
   // 4a. The real rows (the one-block form: those in its row slice; it ranked every pick) and
@@ -606,7 +584,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
 
   if constexpr (kCluster) {
     // The tiles past num_tiles and (4c, below) the rows past padded_total, split evenly over the
-    // blocks: by the capacity's tile and row slices, the last blocks held them all.
+    // blocks: by the capacity's tile and row slices, the last blocks held them all (E=512 K=10
+    // T = 1024 / 4096 on the H200: 7.56 / 10.16 us against 8.12 / 10.71).
     int f0, f1;
     part_range(p.capacity_tiles - num_tiles, block, CB, f0, f1);
     for (int t = num_tiles + f0 + tid; t < num_tiles + f1; t += kOneThreads) {
@@ -630,8 +609,6 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       p.permuted_to_token[r] = pad_token;
     }
   }
-
-  if constexpr (kCluster) __cluster_barrier_wait();  // our shared memory may go now
 }
 
 template <int ITEMS, int KB, typename Id, bool kBitmaps>

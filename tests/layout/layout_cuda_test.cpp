@@ -541,7 +541,8 @@ TEST(LayoutCuda, ForcedPathsMatchCpu) {
       const ScopedEnv env_path("SWITCHYARD_LAYOUT_PATH", path);
       const ScopedEnv env_rank("SWITCHYARD_LAYOUT_RANK", rank);
       for (const auto& [T, K] : shapes) {
-        // (61 and 63 experts: the cluster form loads the counts by int4, 62 / 64 words long)
+        // (61 and 63 experts: the cluster form's rows of counts in the workspace are not whole
+        // 128-byte lines)
         for (const int E : {256, 61, 63}) {
           check_case(random_case(T, E, K, g), g());
           if (HasFatalFailure()) return;

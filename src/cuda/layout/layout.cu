@@ -326,6 +326,7 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
 
 template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
+  static_assert(CB <= kMaxClusterBlocks, "the workspace holds kMaxClusterBlocks rows of counts");
   LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
   p.rank_words = rank_words(p, true, chunk);

@@ -237,7 +237,7 @@ int main(int argc, char** argv) {
   std::mt19937_64 g(20240611);
   std::vector<Point> points;
 
-  const std::int64_t layout_ts[] = {1, 16, 128, 256, 1024, 4096, 8192, 16384, 65536, 262144};
+  const std::int64_t layout_ts[] = {1, 16, 128, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144};
   for (const auto& [E, K] : {std::pair<int, int>{256, 8}, std::pair<int, int>{512, 10}}) {
     for (const std::int64_t T : layout_ts)
       if (sy_bench::token_selected(T)) points.push_back(bench_layout_from_ids(E, K, 128, T, false, bandwidth, g));

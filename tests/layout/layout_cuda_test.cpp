@@ -498,7 +498,7 @@ TEST(LayoutCuda, PathBoundaries) {
       {8192, 1},  {8193, 1}, {16384, 1}, {16385, 1}, {1024, 8},  {1025, 8},   {2048, 8},
       {2049, 8},  {33, 16},  {4096, 8},  {4097, 8},  {32768, 1}, {32769, 1},  {33281, 1},
       {8192, 8},  {8193, 8}, {65536, 1}, {65537, 1}, {4103, 1},  {6000, 3},  {65536, 8},
-      {65537, 8}};
+      {65537, 8}, {40960, 8}, {40961, 8}, {20480, 8}, {20481, 8}};
   for (const auto& [T, K] : shapes) {
     check_case(random_case(T, 256, K, g), g());
     if (HasFatalFailure()) return;
@@ -506,9 +506,12 @@ TEST(LayoutCuda, PathBoundaries) {
   // The one-block path holds 19 * L + 1 int32 of shared memory, at most 160 KB: L <= 2155. The
   // 16-block cluster path holds 22 * L + 2 + 2 * chunk (chunk = ceil(N / 16) to whole 32s): for
   // N = 4800 (chunk 320) L <= 1832, for N = 16384 (chunk 1024) L <= 1768, for N = 32000 (chunk
-  // 2016) L <= 1678. Both sides of each boundary, where the next path takes over.
-  const std::pair<std::int64_t, int> boundaries[] = {{3, 2155},    {3, 2156},    {600, 1832},  {600, 1833},
-                                                     {2048, 1768}, {2048, 1769}, {4000, 1678}, {4000, 1679}};
+  // 2016) L <= 1678. The grid form of CB blocks loads CB * L <= 65536 counts per block: L = 512
+  // and 513 at N = 200000 (128 blocks, or the chunked pipeline), 1024 and 1025 at N = 100000
+  // (64 blocks). Both sides of each boundary, where the next path takes over.
+  const std::pair<std::int64_t, int> boundaries[] = {{3, 2155},     {3, 2156},     {600, 1832},   {600, 1833},
+                                                     {2048, 1768},  {2048, 1769},  {4000, 1678},  {4000, 1679},
+                                                     {25000, 512},  {25000, 513},  {12500, 1024}, {12500, 1025}};
   for (const auto& [T, E] : boundaries) {
     Case c = random_case(T, E, 8, g);
     c.local = LocalKind::kAll;
@@ -533,8 +536,8 @@ TEST(LayoutCuda, ForcedPathsMatchCpu) {
   std::mt19937_64 g(seed);
   const std::pair<std::int64_t, int> shapes[] = {{1, 8},     {31, 3},    {512, 8},   {1000, 4}, {4096, 1},
                                                  {1537, 8},  {4096, 8},  {3001, 10}, {8192, 8}, {6553, 10},
-                                                 {65536, 1}, {40000, 1}, {2047, 16}};
-  for (const char* path : {"one_block", "cluster8", "cluster16", "chunked"}) {
+                                                 {65536, 1}, {40000, 1}, {2047, 16}, {16384, 8}, {24001, 10}, {65536, 8}};
+  for (const char* path : {"one_block", "cluster8", "cluster16", "grid32", "grid64", "grid128", "chunked"}) {
     for (const char* rank : {"bitmaps", "ballots"}) {
       if (std::string(path) == "chunked" && std::string(rank) == "ballots") continue;  // no ranking knob
       SCOPED_TRACE(std::string("SWITCHYARD_LAYOUT_PATH=") + path + " SWITCHYARD_LAYOUT_RANK=" + rank);

@@ -3,8 +3,9 @@
 //   * pdl_wait() / pdl_launch_dependents(): the two device-side controls of programmatic
 //     dependent launch (PDL, sm_90+).
 //   * launch_kernel(): cudaLaunchKernelEx with PDL allowed, returning a Status that names the
-//     kernel and carries cudaGetErrorString on failure; launch_kernel_clustered() adds a
-//     thread-block cluster dimension (launch_attributes() builds both attributes).
+//     kernel and carries cudaGetErrorString on failure; launch_kernel_with() adds a
+//     thread-block cluster dimension or a cooperative launch (launch_attributes() builds the
+//     attributes).
 //   * dispatch_value<V...>(name, value, f): runtime int -> template constant. Calls
 //     f(std::integral_constant<int, V>{}) for the matching V and returns its Status, or
 //     Unsupported("<name> = 7 is not supported; supported values: 1, 2, 4") on a miss. Replaces
@@ -58,13 +59,13 @@ inline Status current_sm_count(const char* op, int* sms) {
   return Status::Ok();
 }
 
-// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...) through cudaLaunchKernelEx;
-// with `pdl`, programmatic stream serialization is allowed (see the contract above). `name`
-// prefixes the error message. No host synchronization; capturable in a CUDA graph.
-// The launch attributes of launch_kernel: programmatic stream serialization (PDL) when `pdl`,
-// and a thread-block cluster of `cluster_x` blocks along x when cluster_x > 0. Writes them to
-// `out` and returns how many there are.
-inline unsigned launch_attributes(bool pdl, unsigned cluster_x, cudaLaunchAttribute (&out)[2]) {
+// The launch attributes of launch_kernel: programmatic stream serialization (PDL) when `pdl`, a
+// thread-block cluster of `cluster_x` blocks along x when cluster_x > 0, and a cooperative launch
+// (all blocks resident at once, for cooperative_groups' grid barrier) when `cooperative`. Writes
+// them to `out` and returns how many there are.
+inline constexpr int kMaxLaunchAttributes = 3;
+inline unsigned launch_attributes(bool pdl, unsigned cluster_x, bool cooperative,
+                                  cudaLaunchAttribute (&out)[kMaxLaunchAttributes]) {
   unsigned n = 0;
   if (pdl) {
     out[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -78,30 +79,38 @@ inline unsigned launch_attributes(bool pdl, unsigned cluster_x, cudaLaunchAttrib
     out[n].val.clusterDim.z = 1;
     ++n;
   }
+  if (cooperative) {
+    out[n].id = cudaLaunchAttributeCooperative;
+    out[n].val.cooperative = 1;
+    ++n;
+  }
   return n;
 }
 
-// launch_kernel with the blocks grouped in clusters of `cluster_x` along x (0: no clusters).
+// launch_kernel with the attributes of launch_attributes.
 template <typename... KernelArgs, typename... Args>
-Status launch_kernel_clustered(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
-                               std::size_t smem_bytes, cudaStream_t stream, bool pdl, unsigned cluster_x,
-                               Args&&... args) {
+Status launch_kernel_with(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                          std::size_t smem_bytes, cudaStream_t stream, bool pdl, unsigned cluster_x,
+                          bool cooperative, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[2];
+  cudaLaunchAttribute attribute[kMaxLaunchAttributes];
   config.attrs = attribute;
-  config.numAttrs = launch_attributes(pdl, cluster_x, attribute);
+  config.numAttrs = launch_attributes(pdl, cluster_x, cooperative, attribute);
   return cuda_status(name, cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...) through cudaLaunchKernelEx;
+// with `pdl`, programmatic stream serialization is allowed (see the contract above). `name`
+// prefixes the error message. No host synchronization; capturable in a CUDA graph.
 template <typename... KernelArgs, typename... Args>
 Status launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
                      std::size_t smem_bytes, cudaStream_t stream, bool pdl, Args&&... args) {
-  return launch_kernel_clustered(name, kernel, grid, block, smem_bytes, stream, pdl, 0u,
-                                 std::forward<Args>(args)...);
+  return launch_kernel_with(name, kernel, grid, block, smem_bytes, stream, pdl, 0u, false,
+                            std::forward<Args>(args)...);
 }
 
 // Runtime value -> compile-time constant; see the file comment.

@@ -21,20 +21,40 @@ using layout_detail::LayoutParams;
 
 // Path selection, by the number of picks N = T*K (one_launch_layout_kernel.cuh while its shared
 // memory fits):
-//   N <= kOneBlockMaxPicks:    one_block_layout_kernel, one launch, every block ranks all picks;
-//   N <= kCluster16MaxPicks:   cluster_layout_kernel, one launch of one 16-block cluster where the
-//                              device can schedule one, else of one 8-block cluster up to
-//                              kCluster8MaxPicks;
-//   else (or L too large):     the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
-// Measured on the H200 (E=256 K=8 M=128, us; 8-block / 16-block cluster / chunked pipeline):
-// N = 8192: 6.09 / 5.89 / 9.60; N = 32768: 10.84 / 8.27 / 11.86; N = 65536: - / 11.30 / 12.20.
-// A 16-block cluster of 1024-thread blocks (half the picks per warp) took 7.83 / 9.53 / 12.73:
-// its 64-register cap spilled.
-// SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|chunked (environment, read per call) forces
-// a path where it fits the call: a tuning and testing knob, not needed for correct results.
+//   N <= kOneBlockMaxPicks: one_block_layout_kernel, one launch, every block ranks all picks;
+//   else the one-launch kernel on CB blocks, each ranking a chunk of N / CB picks: one 16-block
+//   cluster, or a cooperative grid of 32, 64 or 128 blocks (the grid form). CB is the smallest of
+//   16 / 32 / 64 / 128 with N <= kPicksPerBlock * CB (128 only for L <= kGrid128MaxLocal: every
+//   block loads CB rows of L counts), else the largest with N <= kMaxPicksPerBlock * CB; where
+//   none fits or can be scheduled, one 16-block or 8-block cluster up to kCluster16MaxPicks /
+//   kCluster8MaxPicks;
+//   else (or L too large):  the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
+// Measured on the H200 (M=128, us, same call, session 15; 16-block cluster or chunked pipeline /
+// grid of 32 / 64 / 128 blocks):
+//   E=256 K=8:  N = 16384 5.23 / 5.56 / - / -;  N = 32768 6.52 / 5.94 / 6.10 / -;
+//               N = 65536 9.36 / 7.04 / 6.32 / 7.35;  N = 131072 (chunked) 14.07 / 10.46 / 8.14 / 8.02;
+//               N = 262144 (chunked) 15.74 / - / 10.44 / 9.36;  N = 524288 (chunked) 17.09 / - / - / 19.53;
+//   E=512 K=10: N = 20480 7.04 / 6.36 / - / -;  N = 40960 9.08 / 7.29 / 7.18 / -;
+//               N = 81920 (chunked) 13.95 / 8.97 / 8.12 / 9.04;  N = 163840 (chunked) 16.37 / - / 9.60 / 10.31;
+//               N = 327680 (chunked) 21.29 / - / - / 19.28.
+// (Session 8: 8-block / 16-block cluster / chunked at N = 8192 6.09 / 5.89 / 9.60, N = 32768 10.84 /
+// 8.27 / 11.86. A 16-block cluster of 1024-thread blocks, half the picks per warp, spilled under
+// its 64-register cap and was slower.)
+// SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|grid32|grid64|grid128|chunked (environment,
+// read per call) forces a path where it fits the call: a tuning and testing knob, not needed for
+// correct results.
 constexpr long long kOneBlockMaxPicks = 4096;
 constexpr long long kCluster8MaxPicks = 32768;   // 8 groups of 32 picks per warp of 512 threads
 constexpr long long kCluster16MaxPicks = 65536;  // ditto for 16 blocks
+constexpr long long kGrid32MaxPicks = 131072;    // ditto for the grid form's 32 blocks
+constexpr long long kGrid64MaxPicks = 262144;    // its 64 blocks
+constexpr long long kGrid128MaxPicks = 524288;   // and its 128 blocks
+constexpr long long kPicksPerBlock = 1024;       // the one-launch forms' preferred chunk (above)
+constexpr long long kMaxPicksPerBlock = 2560;    // past it (and every form's CB), the chunked pipeline
+constexpr int kGrid128MaxLocal = 256;
+// The grid form's blocks each load CB * L counts (CB rows of L): at most this many (the largest
+// measured, E=512 on 128 blocks; past it the chunked pipeline's scan kernel does that work once).
+constexpr long long kGridMaxExchange = 65536;
 // One-block path: blocks split the writes, about this many rows (of the row capacity) each; each
 // one repeats the (short, parallel) ranking of all N <= 4096 picks, reading the ids from L2.
 // Measured on the H200 (E=256 K=8 M=128, T = 16 / 128 / 256): 3.31 / 4.15 / 5.14 us with 2048 rows
@@ -79,11 +99,11 @@ bool fine_chunks(long long picks, int num_local) {
 // -> 131073, and where the chunks of 2048 give way to those of 4096). At least
 // kMaxClusterBlocks at every N: the cluster form's blocks exchange their counts there, and it can
 // run at any N <= kCluster16MaxPicks (where the one-block form's shared memory does not fit, or
-// when a path is forced).
-constexpr long long kMaxClusterBlocks = 16;
+// when a path is forced). The grid form's CB blocks use it where it holds CB rows (grid_fits).
+constexpr long long kMinChunkRows = layout_detail::kMaxClusterBlocks;
 long long workspace_chunks(long long picks, int num_local) {
-  if (picks <= kSmallMaxPicks) return kMaxClusterBlocks;
-  long long chunks = std::max(kMaxClusterBlocks, ceil_div(std::min(picks, kMediumMaxPicks), kMediumChunk));
+  if (picks <= kSmallMaxPicks) return kMinChunkRows;
+  long long chunks = std::max(kMinChunkRows, ceil_div(std::min(picks, kMediumMaxPicks), kMediumChunk));
   if (picks > kMediumMaxPicks) {
     chunks = std::max(chunks, ceil_div(picks, kLargeChunk));
     // The most fine chunks any N' <= N takes: ceil(N' / 2048) * L <= kFineMaxHistEntries.
@@ -311,22 +331,23 @@ Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
   return launch_one_block_config<8, Id>(p, stream);
 }
 
-// One cluster of CB blocks: the cluster dimension is a launch attribute (with PDL), and CB = 16
-// needs the non-portable opt-in.
+// One cluster of CB <= 16 blocks (the cluster dimension is a launch attribute; CB = 16 needs the
+// non-portable opt-in), or the grid form: a cooperative launch of CB blocks. Both with PDL.
 template <auto kKernel, int CB>
 Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream_t stream) {
   const char* name = "layout: cluster_layout_kernel";
+  constexpr bool kGrid = CB > layout_detail::kMaxClusterBlocks;
   cudaError_t err = allow_dynamic_smem<kKernel>(smem);
-  if (err == cudaSuccess && CB > layout_detail::kClusterBlocksPortable)
+  if (err == cudaSuccess && !kGrid && CB > layout_detail::kClusterBlocksPortable)
     err = allow_nonportable_clusters<kKernel>();
   if (err != cudaSuccess) return cuda_status(name, err);
-  return launch_kernel_clustered(name, kKernel, dim3(CB), dim3(layout_detail::kOneThreads), smem, stream,
-                                 /*pdl=*/true, CB, p);
+  return launch_kernel_with(name, kKernel, dim3(CB), dim3(layout_detail::kOneThreads), smem, stream,
+                            /*pdl=*/true, kGrid ? 0u : static_cast<unsigned>(CB), /*cooperative=*/kGrid, p);
 }
 
 template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
-  static_assert(CB <= kMaxClusterBlocks, "the workspace holds kMaxClusterBlocks rows of counts");
+  static_assert(CB <= layout_detail::kMaxGridBlocks, "CB blocks");
   LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
   p.rank_words = rank_words(p, true, chunk);
@@ -370,9 +391,9 @@ bool cluster16_schedulable(std::size_t smem) {
     config.gridDim = dim3(16);
     config.blockDim = dim3(layout_detail::kOneThreads);
     config.dynamicSmemBytes = probe;
-    cudaLaunchAttribute attribute[2];
+    cudaLaunchAttribute attribute[kMaxLaunchAttributes];
     config.attrs = attribute;
-    config.numAttrs = launch_attributes(/*pdl=*/false, 16, attribute);
+    config.numAttrs = launch_attributes(/*pdl=*/false, 16, /*cooperative=*/false, attribute);
     err = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config);
   }
   if (err != cudaSuccess) (void)cudaGetLastError();  // a refused probe leaves no error behind
@@ -416,7 +437,32 @@ Status launch_multi_kernel(const LayoutParams& p, cudaStream_t stream) {
   return launch_chunked<kLargeThreads, kLargeItems, Id>(p, stream);
 }
 
-enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kChunked };
+// Whether this device can hold all CB blocks of the grid form at once with this much shared
+// memory, in a cooperative launch (asked once per device and shared-memory class). Any error reads
+// as "no".
+template <int CB, typename Id>
+bool grid_schedulable(std::size_t smem) {
+  constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, CB, layout_detail::kKeyBitsSmall, Id, false>;
+  static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;
+  const int cls = smem > 64 * 1024 ? 1 : 0;
+  const int known = cache[device][cls].load(std::memory_order_relaxed);
+  if (known != 0) return known == 1;
+  const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
+  cudaError_t err = allow_dynamic_smem<kKernel>(probe);
+  int per_sm = 0, sms = 0, cooperative = 0;
+  if (err == cudaSuccess)
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, layout_detail::kOneThreads, probe);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // a refused probe leaves no error behind
+  const bool ok = err == cudaSuccess && cooperative != 0 && per_sm * sms >= CB;
+  cache[device][cls].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
+enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kGrid32, kGrid64, kGrid128, kChunked };
 
 ForcedPath forced_path() {
   const char* v = std::getenv("SWITCHYARD_LAYOUT_PATH");
@@ -426,6 +472,9 @@ ForcedPath forced_path() {
   if (s == "cluster8") return ForcedPath::kCluster8;
   if (s == "cluster16") return ForcedPath::kCluster16;
   if (s == "chunked") return ForcedPath::kChunked;
+  if (s == "grid32") return ForcedPath::kGrid32;
+  if (s == "grid64") return ForcedPath::kGrid64;
+  if (s == "grid128") return ForcedPath::kGrid128;
   return ForcedPath::kNone;
 }
 
@@ -435,6 +484,18 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   const auto cluster16_fits = [&] {
     return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
   };
+  // The grid form of CB blocks: where the workspace holds CB rows of counts (it does from N =
+  // CB * kMediumChunk on, where the chunked pipeline needs as many), N <= max_picks, every block's
+  // loads of the counts stay within kGridMaxExchange, and all CB blocks fit on the device at once.
+  const auto grid_fits = [&](auto cb, long long max_picks) {
+    constexpr int CB = decltype(cb)::value;
+    return workspace_chunks(p.num_picks, p.num_local) >= CB &&
+           static_cast<long long>(CB) * p.num_local <= kGridMaxExchange && cluster_fits(p, CB, max_picks) &&
+           grid_schedulable<CB, Id>(cluster_smem_bytes(p, CB));
+  };
+  using Grid32 = std::integral_constant<int, 32>;
+  using Grid64 = std::integral_constant<int, 64>;
+  using Grid128 = std::integral_constant<int, 128>;
   switch (forced_path()) {
     case ForcedPath::kOneBlock:
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
@@ -445,12 +506,32 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
     case ForcedPath::kCluster16:
       if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
       break;
+    case ForcedPath::kGrid32:
+      if (grid_fits(Grid32{}, kGrid32MaxPicks)) return launch_cluster<32, Id>(p, stream);
+      break;
+    case ForcedPath::kGrid64:
+      if (grid_fits(Grid64{}, kGrid64MaxPicks)) return launch_cluster<64, Id>(p, stream);
+      break;
+    case ForcedPath::kGrid128:
+      if (grid_fits(Grid128{}, kGrid128MaxPicks)) return launch_cluster<128, Id>(p, stream);
+      break;
     case ForcedPath::kChunked:
       return launch_multi_kernel<Id>(p, stream);
     case ForcedPath::kNone:
       break;
   }
   if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
+  // The one-launch form's block count (see Path selection above).
+  const long long n = p.num_picks;
+  const bool grid128_preferred = p.num_local <= kGrid128MaxLocal;
+  if (n <= kPicksPerBlock * 16 && cluster16_fits()) return launch_cluster<16, Id>(p, stream);
+  if (n <= kPicksPerBlock * 32 && grid_fits(Grid32{}, kGrid32MaxPicks)) return launch_cluster<32, Id>(p, stream);
+  if (n <= kPicksPerBlock * 64 && grid_fits(Grid64{}, kGrid64MaxPicks)) return launch_cluster<64, Id>(p, stream);
+  if (grid128_preferred && n <= kPicksPerBlock * 128 && grid_fits(Grid128{}, kGrid128MaxPicks))
+    return launch_cluster<128, Id>(p, stream);
+  if (n <= kMaxPicksPerBlock * 64 && grid_fits(Grid64{}, kGrid64MaxPicks)) return launch_cluster<64, Id>(p, stream);
+  if (n <= kMaxPicksPerBlock * 128 && grid_fits(Grid128{}, kGrid128MaxPicks))
+    return launch_cluster<128, Id>(p, stream);
   if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
   if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
   return launch_multi_kernel<Id>(p, stream);

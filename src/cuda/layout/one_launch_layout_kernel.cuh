@@ -34,10 +34,14 @@
 //    the ranking, every pick was its own uncoalesced store, which made the cluster form slower
 //    than the 3-launch pipeline past ~12k picks. (The cluster is there for its barrier: the
 //    counts went through distributed shared memory up to session 13, which was slower.)
+//    The grid form (session 15) is the same kernel with CB = 32, 64 or 128 blocks in a
+//    cooperative launch, meeting at cooperative_groups' grid barrier instead of the cluster's:
+//    more SMs share the ranking and the row stores (E=256 K=8 T = 4096 / 8192 / 16384: 5.9 / 6.3 /
+//    8.0 us against 6.5 / 9.4 us for the 16-block cluster and 14.1 for the chunked pipeline).
 //
 // Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 2.2 / 2.2 / 2.7 / 3.4 us at
 // T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.0 /
-// 6.5 / 8.9 us at T = 1024 / 4096 / 8192 (session 14; 5.6 / 7.5 / 9.9 in session 8). Both are
+// 6.5 / 8.9 us at T = 1024 / 4096 / 8192 (session 14; 5.6 / 7.5 / 9.9 in session 8). All are
 // latency/issue bound (ncu, session 3: IPC 1.2-1.7 with 16 warps per SM; then ~1000 instructions
 // per warp at T = 256, a third of them ballot ranking rounds, which the bitmaps replaced there).
 // A clock64 timeline of the cluster form at T = 4096 (per block, session 14, before the change to
@@ -99,6 +103,13 @@ static_assert(kOneWarps % 4 == 0, "the histogram is zeroed with 16-byte stores")
 // Cluster sizes: 8 is portable (always schedulable on sm_90); 16 needs the non-portable opt-in
 // and a GPC with 16 free SMs (H100 / H200 have them; the launcher checks).
 constexpr int kClusterBlocksPortable = 8;
+// Past 16 blocks (the largest cluster) the one-launch kernel runs as a cooperative grid of CB
+// blocks (all resident at once) that meet at cooperative_groups' grid barrier: the grid form, of
+// up to kMaxGridBlocks blocks. (Its barrier word is the driver's, initialised for every launch: a
+// counter in the caller's workspace could hold anything, and the bit-31 flip scheme of a grid
+// barrier then hung when carries from the low bits flipped bit 31 twice.)
+constexpr int kMaxClusterBlocks = 16;
+constexpr int kMaxGridBlocks = 128;
 constexpr std::size_t kOneMaxSmem = 160 * 1024;
 
 // LayoutParams::rank_words is a multiple of this (the per-expert pass reads whole batches).
@@ -255,7 +266,7 @@ __device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> ke
 
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
-// cluster of CB blocks).
+// cluster of CB <= kMaxClusterBlocks blocks, or the grid form's cooperative grid of CB blocks).
 template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps>
 __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
   constexpr bool kCluster = CB > 0;
@@ -418,8 +429,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   namespace cg = cooperative_groups;
   if constexpr (kCluster) {
     // The blocks' counts meet in the workspace (L2): block b stores its counts into
-    // chunk_hist[b][0..L) and its dropped ids into chunk_dropped[b], the cluster barrier's release
-    // (MEMBAR.ALL.GPU) publishes them, and every block loads the CB rows (128-byte lines).
+    // chunk_hist[b][0..L) and its dropped ids into chunk_dropped[b], the cluster (or grid)
+    // barrier's release publishes them, and every block loads the CB rows (128-byte lines).
     // Measured on the H200 (E=256 K=8 M=128 T = 1024 / 4096 / 8192, us): 4.96 / 6.52 / 8.88
     // against 5.46 / 7.12 / 9.17 for the best exchange through distributed shared memory (int4
     // loads of every block's counts, ~2000 cycles of the kernel's ~13000 at T = 4096 whatever the
@@ -428,28 +439,40 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     // the bytes) or by one bulk copy per block pair was no faster than the loads (session 14).
     for (int l = e_begin; l < e_end; ++l) p.chunk_hist[block * L + l] = block_counts[l];
     if (tid == 0) p.chunk_dropped[block] = sh.dropped;
-    cg::this_cluster().sync();  // every block's counts are published
-    // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks.
+    if constexpr (CB > kMaxClusterBlocks) {
+      cg::this_grid().sync();  // every block's counts are published
+    } else {
+      cg::this_cluster().sync();  // every block's counts are published
+    }
+    // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks. The loads go
+    // out in batches of up to 64 (a register each).
+    constexpr int kBatch = CB < 64 ? CB : 64;
     for (int l = e_begin; l < e_end; ++l) {
-      int v[CB];
-#pragma unroll
-      for (int b = 0; b < CB; ++b) v[b] = __ldcg(p.chunk_hist + b * L + l);
       int before = 0;
       int c = 0;
+#pragma unroll 1
+      for (int b0 = 0; b0 < CB; b0 += kBatch) {
+        int v[kBatch];
 #pragma unroll
-      for (int b = 0; b < CB; ++b) {
-        before += b < block ? v[b] : 0;
-        c += v[b];
+        for (int i = 0; i < kBatch; ++i) v[i] = __ldcg(p.chunk_hist + (b0 + i) * L + l);
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          before += b0 + i < block ? v[i] : 0;
+          c += v[i];
+        }
       }
       base[l] = before;
       ends[l] = c;
     }
     if (block == 0 && tid == 0) {
-      int v[CB];
+#pragma unroll 1
+      for (int b0 = 0; b0 < CB; b0 += kBatch) {
+        int v[kBatch];
 #pragma unroll
-      for (int b = 0; b < CB; ++b) v[b] = __ldcg(p.chunk_dropped + b);
+        for (int i = 0; i < kBatch; ++i) v[i] = __ldcg(p.chunk_dropped + b0 + i);
 #pragma unroll
-      for (int b = 0; b < CB; ++b) dropped_total += v[b];
+        for (int i = 0; i < kBatch; ++i) dropped_total += v[i];
+      }
     }
   } else {
     dropped_total = sh.dropped;
@@ -618,7 +641,8 @@ __global__ void __launch_bounds__(kOneThreads, 1) one_block_layout_kernel(const 
   one_launch_layout<ITEMS, 0, KB, Id, kBitmaps>(p, sh, one_dyn);
 }
 
-// Launched as one cluster of CB blocks (the cluster dimension is a launch attribute, see layout.cu).
+// Launched as one cluster of CB blocks (the cluster dimension is a launch attribute, see layout.cu),
+// or past kMaxClusterBlocks as a cooperative grid of CB blocks.
 template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps>
 __global__ void __launch_bounds__(kOneThreads, 1) cluster_layout_kernel(const LayoutParams p) {
   __shared__ OneShared sh;

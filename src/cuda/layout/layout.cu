@@ -37,6 +37,10 @@ using layout_detail::LayoutParams;
 //   E=512 K=10: N = 20480 7.04 / 6.36 / - / -;  N = 40960 9.08 / 7.29 / 7.18 / -;
 //               N = 81920 (chunked) 13.95 / 8.97 / 8.12 / 9.04;  N = 163840 (chunked) 16.37 / - / 9.60 / 10.31;
 //               N = 327680 (chunked) 21.29 / - / - / 19.28.
+// The cluster and grid forms cost more than the one-block form at small N (their barrier, the
+// exchange of counts): E=256 K=8 T = 1 / 256 one-block 2.17 / 3.38, 16-block cluster 3.92 / 4.54,
+// grid of 32 / 64 blocks 4.76 / 5.23 and 5.26 / 5.77 (an experiment build whose workspace held 128
+// rows at every N).
 // (Session 8: 8-block / 16-block cluster / chunked at N = 8192 6.09 / 5.89 / 9.60, N = 32768 10.84 /
 // 8.27 / 11.86. A 16-block cluster of 1024-thread blocks, half the picks per warp, spilled under
 // its 64-register cap and was slower.)
@@ -369,37 +373,50 @@ Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
   });
 }
 
-// Whether this device can run one 16-block cluster of the layout kernel with this much shared
-// memory (asked once per device and shared-memory class; a cluster needs 16 free SMs of one
-// GPC). Any error reads as "no".
-template <typename Id>
-bool cluster16_schedulable(std::size_t smem) {
-  constexpr auto kKernel =
-      layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id, false>;
+// Whether the one-launch kernel kKernel can be scheduled with `smem` bytes of shared memory on
+// the current device: probe(device, bytes) answers for the largest size of smem's class (up to
+// 64 KB, or up to kOneMaxSmem), once per device and class (a host-side cache; each kernel has its
+// own). Any error reads as "no", and leaves no error behind.
+template <auto kKernel, typename Probe>
+bool schedulable(std::size_t smem, Probe&& probe) {
   static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;
   const int cls = smem > 64 * 1024 ? 1 : 0;
   const int known = cache[device][cls].load(std::memory_order_relaxed);
   if (known != 0) return known == 1;
-  const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
-  cudaError_t err = allow_dynamic_smem<kKernel>(probe);
-  if (err == cudaSuccess) err = allow_nonportable_clusters<kKernel>();
-  int clusters = 0;
-  if (err == cudaSuccess) {
+  const std::size_t bytes = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
+  cudaError_t err = allow_dynamic_smem<kKernel>(bytes);
+  bool ok = false;
+  if (err == cudaSuccess) err = probe(device, bytes, ok);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // a refused probe leaves no error behind
+    ok = false;
+  }
+  cache[device][cls].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
+// Whether this device can run one 16-block cluster of the layout kernel with this much shared
+// memory (a cluster needs 16 free SMs of one GPC).
+template <typename Id>
+bool cluster16_schedulable(std::size_t smem) {
+  constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id, false>;
+  return schedulable<kKernel>(smem, [](int, std::size_t bytes, bool& ok) {
+    cudaError_t err = allow_nonportable_clusters<kKernel>();
+    if (err != cudaSuccess) return err;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(16);
     config.blockDim = dim3(layout_detail::kOneThreads);
-    config.dynamicSmemBytes = probe;
+    config.dynamicSmemBytes = bytes;
     cudaLaunchAttribute attribute[kMaxLaunchAttributes];
     config.attrs = attribute;
     config.numAttrs = launch_attributes(/*pdl=*/false, 16, /*cooperative=*/false, attribute);
+    int clusters = 0;
     err = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config);
-  }
-  if (err != cudaSuccess) (void)cudaGetLastError();  // a refused probe leaves no error behind
-  const bool ok = err == cudaSuccess && clusters > 0;
-  cache[device][cls].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
+    ok = clusters > 0;
+    return err;
+  });
 }
 
 template <typename Id>
@@ -438,28 +455,19 @@ Status launch_multi_kernel(const LayoutParams& p, cudaStream_t stream) {
 }
 
 // Whether this device can hold all CB blocks of the grid form at once with this much shared
-// memory, in a cooperative launch (asked once per device and shared-memory class). Any error reads
-// as "no".
+// memory, in a cooperative launch.
 template <int CB, typename Id>
 bool grid_schedulable(std::size_t smem) {
   constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, CB, layout_detail::kKeyBitsSmall, Id, false>;
-  static std::atomic<int> cache[kMaxDevicesCached][2];  // 0 unknown, 1 yes, 2 no; [small, large smem]
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) return false;
-  const int cls = smem > 64 * 1024 ? 1 : 0;
-  const int known = cache[device][cls].load(std::memory_order_relaxed);
-  if (known != 0) return known == 1;
-  const std::size_t probe = cls ? layout_detail::kOneMaxSmem : 64 * 1024;
-  cudaError_t err = allow_dynamic_smem<kKernel>(probe);
-  int per_sm = 0, sms = 0, cooperative = 0;
-  if (err == cudaSuccess)
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, layout_detail::kOneThreads, probe);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
-  if (err != cudaSuccess) (void)cudaGetLastError();  // a refused probe leaves no error behind
-  const bool ok = err == cudaSuccess && cooperative != 0 && per_sm * sms >= CB;
-  cache[device][cls].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
+  return schedulable<kKernel>(smem, [](int device, std::size_t bytes, bool& ok) {
+    int per_sm = 0, sms = 0, cooperative = 0;
+    cudaError_t err =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, layout_detail::kOneThreads, bytes);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
+    ok = cooperative != 0 && per_sm * sms >= CB;
+    return err;
+  });
 }
 
 enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kGrid32, kGrid64, kGrid128, kChunked };

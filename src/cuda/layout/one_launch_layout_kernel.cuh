@@ -425,7 +425,6 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   } else {
     warp_prefix(hist, block_counts, L, e_begin, e_end);
   }
-  int dropped_total = 0;
   namespace cg = cooperative_groups;
   if constexpr (kCluster) {
     // The blocks' counts meet in the workspace (L2): block b stores its counts into
@@ -443,6 +442,18 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       cg::this_grid().sync();  // every block's counts are published
     } else {
       cg::this_cluster().sync();  // every block's counts are published
+    }
+    // The dropped total (block 0 writes totals[2]): the last warp's loads of the CB counts go out
+    // before the loads of the per-expert rows, so that both are in flight at once. (Loaded by
+    // thread 0 after its expert's rows, they made block 0, and so the kernel, end ~200 / ~600 ns
+    // after the other blocks with 32 / 64 blocks: a globaltimer timeline on the H200, session 15.)
+    constexpr int kDroppedPerLane = (CB + 31) / 32;
+    const bool dropped_warp = block == 0 && warp == kOneWarps - 1;  // warp-uniform
+    int dropped_part[kDroppedPerLane];
+#pragma unroll
+    for (int i = 0; i < kDroppedPerLane; ++i) {
+      const int b = lane + 32 * i;
+      dropped_part[i] = dropped_warp && b < CB ? __ldcg(p.chunk_dropped + b) : 0;
     }
     // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks. The loads go
     // out in batches of up to 64 (a register each).
@@ -464,18 +475,13 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       base[l] = before;
       ends[l] = c;
     }
-    if (block == 0 && tid == 0) {
-#pragma unroll 1
-      for (int b0 = 0; b0 < CB; b0 += kBatch) {
-        int v[kBatch];
+    if (dropped_warp) {
+      int dropped_total = 0;
 #pragma unroll
-        for (int i = 0; i < kBatch; ++i) v[i] = __ldcg(p.chunk_dropped + b0 + i);
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) dropped_total += v[i];
-      }
+      for (int i = 0; i < kDroppedPerLane; ++i) dropped_total += dropped_part[i];
+      dropped_total = __reduce_add_sync(0xffffffffu, dropped_total);  // a sum: order does not matter
+      if (lane == 0) p.totals[2] = dropped_total;
     }
-  } else {
-    dropped_total = sh.dropped;
   }
 
   // 3. Offsets: one scan of the experts' tile counts q = ceil(count / M); offsets are M times the
@@ -538,7 +544,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       p.offsets[L] = padded_total;
       p.totals[0] = padded_total;
       p.totals[1] = num_tiles;
-      p.totals[2] = dropped_total;
+      if constexpr (!kCluster) p.totals[2] = sh.dropped;  // (the cluster form: its dropped warp)
     }
   }
   __syncthreads();  // offs, ends, base complete (one-block form: its fills are ordered before what follows)

@@ -37,7 +37,7 @@
 //    The grid form (session 15) is the same kernel with CB = 32, 64 or 128 blocks in a
 //    cooperative launch, meeting at cooperative_groups' grid barrier instead of the cluster's:
 //    more SMs share the ranking and the row stores (E=256 K=8 T = 4096 / 8192 / 16384: 5.9 / 6.3 /
-//    8.0 us against 6.5 / 9.4 us for the 16-block cluster and 14.1 for the chunked pipeline).
+//    7.8 us against 6.5 / 9.4 us for the 16-block cluster and 14.1 for the chunked pipeline).
 //
 // Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 2.2 / 2.2 / 2.7 / 3.4 us at
 // T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.0 /

@@ -93,6 +93,11 @@ Status layout_workspace_size(const LayoutConfig& config, std::int64_t num_tokens
 //   out       arrays as above, each at least its stated size.
 //   workspace at least layout_workspace_size bytes on the ids' device (nullptr when 0).
 // T*K must be below 2^31. On any error nothing is written.
+// CUDA: from 4097 picks to a few hundred thousand the call is one launch whose blocks wait for
+// each other (a cluster of 16 blocks, or a cooperative grid of 32 to 128 blocks, one per SM), so
+// it starts once that many SMs are free. A kernel on another stream that holds SMs until some
+// later work on this stream has run can therefore keep it waiting; SWITCHYARD_LAYOUT_PATH=chunked
+// (environment) selects the multi-launch pipeline, whose blocks never wait for each other.
 Status layout(const LayoutConfig& config, const TensorView& topk_ids, const Layout& out,
               void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 

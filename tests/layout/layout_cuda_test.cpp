@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "common/cuda_test_util.h"
-#include "common/scoped_env.h"
 #include "common/float_formats.h"
+#include "common/scoped_env.h"
 #include "common/test_data.h"
 #include "switchyard/layout.h"
 #include "switchyard/routing.h"
@@ -492,13 +492,12 @@ TEST(LayoutCuda, PathBoundaries) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
   const std::pair<std::int64_t, int> shapes[] = {
-      {128, 1},   {129, 1},  {1024, 1},  {1025, 1},  {2048, 1},  {2049, 1},   {4096, 1},
-      {4097, 1},  {512, 8},  {513, 8},   {5120, 1},  {16384, 8}, {131073, 1}, {16385, 8},
-      {65535, 2}, {1, 32},   {128, 32},  {129, 32},  {4095, 32}, {512, 1},    {513, 1},
-      {8192, 1},  {8193, 1}, {16384, 1}, {16385, 1}, {1024, 8},  {1025, 8},   {2048, 8},
-      {2049, 8},  {33, 16},  {4096, 8},  {4097, 8},  {32768, 1}, {32769, 1},  {33281, 1},
-      {8192, 8},  {8193, 8}, {65536, 1}, {65537, 1}, {4103, 1},  {6000, 3},  {65536, 8},
-      {65537, 8}, {40960, 8}, {40961, 8}, {20480, 8}, {20481, 8}};
+      {128, 1},   {129, 1},   {1024, 1},  {1025, 1},  {2048, 1},   {2049, 1},  {4096, 1},  {4097, 1},
+      {512, 8},   {513, 8},   {5120, 1},  {16384, 8}, {131073, 1}, {16385, 8}, {65535, 2}, {1, 32},
+      {128, 32},  {129, 32},  {4095, 32}, {512, 1},   {513, 1},    {8192, 1},  {8193, 1},  {16384, 1},
+      {16385, 1}, {1024, 8},  {1025, 8},  {2048, 8},  {2049, 8},   {33, 16},   {4096, 8},  {4097, 8},
+      {32768, 1}, {32769, 1}, {33281, 1}, {8192, 8},  {8193, 8},   {65536, 1}, {65537, 1}, {4103, 1},
+      {6000, 3},  {65536, 8}, {65537, 8}, {40960, 8}, {40961, 8},  {20480, 8}, {20481, 8}};
   for (const auto& [T, K] : shapes) {
     check_case(random_case(T, 256, K, g), g());
     if (HasFatalFailure()) return;
@@ -509,9 +508,9 @@ TEST(LayoutCuda, PathBoundaries) {
   // 2016) L <= 1678. The grid form of CB blocks loads CB * L <= 65536 counts per block: L = 512
   // and 513 at N = 200000 (128 blocks, or the chunked pipeline), 1024 and 1025 at N = 100000
   // (64 blocks). Both sides of each boundary, where the next path takes over.
-  const std::pair<std::int64_t, int> boundaries[] = {{3, 2155},     {3, 2156},     {600, 1832},   {600, 1833},
-                                                     {2048, 1768},  {2048, 1769},  {4000, 1678},  {4000, 1679},
-                                                     {25000, 512},  {25000, 513},  {12500, 1024}, {12500, 1025}};
+  const std::pair<std::int64_t, int> boundaries[] = {
+      {3, 2155},    {3, 2156},    {600, 1832},  {600, 1833},  {2048, 1768},  {2048, 1769},
+      {4000, 1678}, {4000, 1679}, {25000, 512}, {25000, 513}, {12500, 1024}, {12500, 1025}};
   for (const auto& [T, E] : boundaries) {
     Case c = random_case(T, E, 8, g);
     c.local = LocalKind::kAll;
@@ -534,9 +533,9 @@ TEST(LayoutCuda, ForcedPathsMatchCpu) {
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
-  const std::pair<std::int64_t, int> shapes[] = {{1, 8},     {31, 3},    {512, 8},   {1000, 4}, {4096, 1},
-                                                 {1537, 8},  {4096, 8},  {3001, 10}, {8192, 8}, {6553, 10},
-                                                 {65536, 1}, {40000, 1}, {2047, 16}, {16384, 8}, {24001, 10}, {65536, 8}};
+  const std::pair<std::int64_t, int> shapes[] = {
+      {1, 8},    {31, 3},    {512, 8},   {1000, 4},  {4096, 1},  {1537, 8},  {4096, 8},   {3001, 10},
+      {8192, 8}, {6553, 10}, {65536, 1}, {40000, 1}, {2047, 16}, {16384, 8}, {24001, 10}, {65536, 8}};
   for (const char* path : {"one_block", "cluster8", "cluster16", "grid32", "grid64", "grid128", "chunked"}) {
     for (const char* rank : {"bitmaps", "ballots"}) {
       if (std::string(path) == "chunked" && std::string(rank) == "ballots") continue;  // no ranking knob
@@ -809,7 +808,8 @@ struct RouteLayoutCall {
         d_weights(n * w_bytes + kGuard * 8),
         got(Sizes(c_.T, preset_.routing.top_k, num_local(c_), c_.M)) {
     const LayoutConfig config = make_config(c, nullptr, Device::cuda());
-    EXPECT_TRUE(switchyard::layout_workspace_size(config, c.T, preset.routing.top_k, Device::cuda(), &ws_bytes).ok());
+    EXPECT_TRUE(
+        switchyard::layout_workspace_size(config, c.T, preset.routing.top_k, Device::cuda(), &ws_bytes).ok());
     ws = DeviceBuffer(ws_bytes);
   }
 
@@ -853,8 +853,8 @@ struct RouteLayoutCall {
     return switchyard::route_and_layout(
         preset.routing, TensorView::of(d_logits.get(), logits_type, {T, E}, Device::cuda()), gpu_bias,
         TensorView::of(d_ids.get(), id_type, {T, K}, Device::cuda()),
-        TensorView::of(d_weights.get(), w_type, {T, K}, Device::cuda()), make_config(c, nullptr, Device::cuda()),
-        got.views(), ws.get(), ws_bytes, stream);
+        TensorView::of(d_weights.get(), w_type, {T, K}, Device::cuda()),
+        make_config(c, nullptr, Device::cuda()), got.views(), ws.get(), ws_bytes, stream);
   }
 
   // The GPU outputs equal the CPU's (ids and weights bit for bit: both backends run the same

@@ -32,10 +32,13 @@ using layout_detail::LayoutParams;
 // Measured on the H200 (M=128, us, same call, session 15; 16-block cluster or chunked pipeline /
 // grid of 32 / 64 / 128 blocks):
 //   E=256 K=8:  N = 16384 5.23 / 5.56 / - / -;  N = 32768 6.52 / 5.94 / 6.10 / -;
-//               N = 65536 9.36 / 7.04 / 6.32 / 7.35;  N = 131072 (chunked) 14.07 / 10.46 / 8.14 / 8.02;
-//               N = 262144 (chunked) 15.74 / - / 10.44 / 9.36;  N = 524288 (chunked) 17.09 / - / - / 19.53;
+//               N = 65536 9.36 / 7.04 / 6.32 / 7.35;
+//               N = 131072 (chunked) 14.07 / 10.46 / 8.14 / 8.02;
+//               N = 262144 (chunked) 15.74 / - / 10.44 / 9.36;
+//               N = 524288 (chunked) 17.09 / - / - / 19.53;
 //   E=512 K=10: N = 20480 7.04 / 6.36 / - / -;  N = 40960 9.08 / 7.29 / 7.18 / -;
-//               N = 81920 (chunked) 13.95 / 8.97 / 8.12 / 9.04;  N = 163840 (chunked) 16.37 / - / 9.60 / 10.31;
+//               N = 81920 (chunked) 13.95 / 8.97 / 8.12 / 9.04;
+//               N = 163840 (chunked) 16.37 / - / 9.60 / 10.31;
 //               N = 327680 (chunked) 21.29 / - / - / 19.28.
 // The cluster and grid forms cost more than the one-block form at small N (their barrier, the
 // exchange of counts): E=256 K=8 T = 1 / 256 one-block 2.17 / 3.38, 16-block cluster 3.92 / 4.54,
@@ -111,7 +114,8 @@ long long workspace_chunks(long long picks, int num_local) {
   if (picks > kMediumMaxPicks) {
     chunks = std::max(chunks, ceil_div(picks, kLargeChunk));
     // The most fine chunks any N' <= N takes: ceil(N' / 2048) * L <= kFineMaxHistEntries.
-    const long long fine = std::min(ceil_div(picks, kFineChunk), kFineMaxHistEntries / std::max(num_local, 1));
+    const long long fine =
+        std::min(ceil_div(picks, kFineChunk), kFineMaxHistEntries / std::max(num_local, 1));
     chunks = std::max(chunks, fine);
   }
   return chunks;
@@ -401,7 +405,8 @@ bool schedulable(std::size_t smem, Probe&& probe) {
 // memory (a cluster needs 16 free SMs of one GPC).
 template <typename Id>
 bool cluster16_schedulable(std::size_t smem) {
-  constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id, false>;
+  constexpr auto kKernel =
+      layout_detail::cluster_layout_kernel<1, 16, layout_detail::kKeyBitsSmall, Id, false>;
   return schedulable<kKernel>(smem, [](int, std::size_t bytes, bool& ok) {
     cudaError_t err = allow_nonportable_clusters<kKernel>();
     if (err != cudaSuccess) return err;
@@ -458,7 +463,8 @@ Status launch_multi_kernel(const LayoutParams& p, cudaStream_t stream) {
 // memory, in a cooperative launch.
 template <int CB, typename Id>
 bool grid_schedulable(std::size_t smem) {
-  constexpr auto kKernel = layout_detail::cluster_layout_kernel<1, CB, layout_detail::kKeyBitsSmall, Id, false>;
+  constexpr auto kKernel =
+      layout_detail::cluster_layout_kernel<1, CB, layout_detail::kKeyBitsSmall, Id, false>;
   return schedulable<kKernel>(smem, [](int device, std::size_t bytes, bool& ok) {
     int per_sm = 0, sms = 0, cooperative = 0;
     cudaError_t err =
@@ -533,11 +539,14 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   const long long n = p.num_picks;
   const bool grid128_preferred = p.num_local <= kGrid128MaxLocal;
   if (n <= kPicksPerBlock * 16 && cluster16_fits()) return launch_cluster<16, Id>(p, stream);
-  if (n <= kPicksPerBlock * 32 && grid_fits(Grid32{}, kGrid32MaxPicks)) return launch_cluster<32, Id>(p, stream);
-  if (n <= kPicksPerBlock * 64 && grid_fits(Grid64{}, kGrid64MaxPicks)) return launch_cluster<64, Id>(p, stream);
+  if (n <= kPicksPerBlock * 32 && grid_fits(Grid32{}, kGrid32MaxPicks))
+    return launch_cluster<32, Id>(p, stream);
+  if (n <= kPicksPerBlock * 64 && grid_fits(Grid64{}, kGrid64MaxPicks))
+    return launch_cluster<64, Id>(p, stream);
   if (grid128_preferred && n <= kPicksPerBlock * 128 && grid_fits(Grid128{}, kGrid128MaxPicks))
     return launch_cluster<128, Id>(p, stream);
-  if (n <= kMaxPicksPerBlock * 64 && grid_fits(Grid64{}, kGrid64MaxPicks)) return launch_cluster<64, Id>(p, stream);
+  if (n <= kMaxPicksPerBlock * 64 && grid_fits(Grid64{}, kGrid64MaxPicks))
+    return launch_cluster<64, Id>(p, stream);
   if (n <= kMaxPicksPerBlock * 128 && grid_fits(Grid128{}, kGrid128MaxPicks))
     return launch_cluster<128, Id>(p, stream);
   if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);

@@ -508,7 +508,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     OneScan(sh.scan).ExclusiveSum(static_cast<int>(run_sum), tile_prefix, num_tiles);
   }
   const int padded_total = num_tiles * M;  // < 2^31: the max_permuted_rows bound
-  int l0, l1;  // this block's slice of experts (counts, offsets)
+  int l0, l1;                              // this block's slice of experts (counts, offsets)
   slice(L, block, p.locals_per_block, l0, l1);
   for (int l = e_begin; l < e_end; ++l) {
     const int c = ends[l];

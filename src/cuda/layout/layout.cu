@@ -26,8 +26,8 @@ using layout_detail::LayoutParams;
 //   cluster, or a cooperative grid of 32, 64 or 128 blocks (the grid form). CB is the smallest of
 //   16 / 32 / 64 / 128 with N <= kPicksPerBlock * CB (128 only for L <= kGrid128MaxLocal: every
 //   block loads CB rows of L counts), else the largest with N <= kMaxPicksPerBlock * CB; where
-//   none fits or can be scheduled, one 16-block or 8-block cluster up to kCluster16MaxPicks /
-//   kCluster8MaxPicks;
+//   none fits or can be scheduled, one 16-block or 8-block cluster (every form: at most 8 groups
+//   of 32 picks per warp, cluster_fits);
 //   else (or L too large):  the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
 // Measured on the H200 (M=128, us, same call, session 15; 16-block cluster or chunked pipeline /
 // grid of 32 / 64 / 128 blocks):
@@ -51,13 +51,8 @@ using layout_detail::LayoutParams;
 // read per call) forces a path where it fits the call: a tuning and testing knob, not needed for
 // correct results.
 constexpr long long kOneBlockMaxPicks = 4096;
-constexpr long long kCluster8MaxPicks = 32768;   // 8 groups of 32 picks per warp of 512 threads
-constexpr long long kCluster16MaxPicks = 65536;  // ditto for 16 blocks
-constexpr long long kGrid32MaxPicks = 131072;    // ditto for the grid form's 32 blocks
-constexpr long long kGrid64MaxPicks = 262144;    // its 64 blocks
-constexpr long long kGrid128MaxPicks = 524288;   // and its 128 blocks
-constexpr long long kPicksPerBlock = 1024;       // the one-launch forms' preferred chunk (above)
-constexpr long long kMaxPicksPerBlock = 2560;    // past it (and every form's CB), the chunked pipeline
+constexpr long long kPicksPerBlock = 1024;     // the one-launch forms' preferred chunk (above)
+constexpr long long kMaxPicksPerBlock = 2560;  // past it (and every form's CB), the chunked pipeline
 constexpr int kGrid128MaxLocal = 256;
 // The grid form's blocks each load CB * L counts (CB rows of L): at most this many (the largest
 // measured, E=512 on 128 blocks; past it the chunked pipeline's scan kernel does that work once).
@@ -105,7 +100,7 @@ bool fine_chunks(long long picks, int num_local) {
 // bound must serve every smaller call, and the chunk count drops where the chunk grows (N = 131072
 // -> 131073, and where the chunks of 2048 give way to those of 4096). At least
 // kMaxClusterBlocks at every N: the cluster form's blocks exchange their counts there, and it can
-// run at any N <= kCluster16MaxPicks (where the one-block form's shared memory does not fit, or
+// run at any N it fits (where the one-block form's shared memory does not fit, or
 // when a path is forced). The grid form's CB blocks use it where it holds CB rows (grid_fits).
 constexpr long long kMinChunkRows = layout_detail::kMaxClusterBlocks;
 long long workspace_chunks(long long picks, int num_local) {
@@ -279,10 +274,10 @@ bool one_block_fits(const LayoutParams& p) {
          layout_detail::one_launch_smem_bytes(p.num_local, false) <= layout_detail::kOneMaxSmem;
 }
 
-// The cluster form fits: N <= max_picks (and at most 8 groups of 32 picks per warp) and its
-// shared memory.
-bool cluster_fits(const LayoutParams& p, int blocks, long long max_picks) {
-  return p.num_picks <= std::min<long long>(max_picks, 8LL * layout_detail::kOneThreads * blocks) &&
+// The cluster (or grid) form of `blocks` blocks fits: at most 8 groups of 32 picks per warp
+// (16-block cluster: N <= 65536; grid of 128 blocks: N <= 524288) and its shared memory.
+bool cluster_fits(const LayoutParams& p, int blocks) {
+  return p.num_picks <= 8LL * layout_detail::kOneThreads * blocks &&
          cluster_smem_bytes(p, blocks) <= layout_detail::kOneMaxSmem;
 }
 
@@ -355,7 +350,6 @@ Status launch_cluster_kernel(const LayoutParams& p, std::size_t smem, cudaStream
 
 template <int CB, typename Id>
 Status launch_cluster(const LayoutParams& params, cudaStream_t stream) {
-  static_assert(CB <= layout_detail::kMaxGridBlocks, "CB blocks");
   LayoutParams p = with_block_slices(params, CB);
   const int chunk = layout_detail::cluster_chunk(p.num_picks, CB);
   p.rank_words = rank_words(p, true, chunk);
@@ -496,15 +490,15 @@ template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   const LayoutParams p = make_params(a);
   const auto cluster16_fits = [&] {
-    return cluster_fits(p, 16, kCluster16MaxPicks) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
+    return cluster_fits(p, 16) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
   };
   // The grid form of CB blocks: where the workspace holds CB rows of counts (it does from N =
-  // CB * kMediumChunk on, where the chunked pipeline needs as many), N <= max_picks, every block's
-  // loads of the counts stay within kGridMaxExchange, and all CB blocks fit on the device at once.
-  const auto grid_fits = [&](auto cb, long long max_picks) {
+  // CB * kMediumChunk on, where the chunked pipeline needs as many), every block's loads of the
+  // counts stay within kGridMaxExchange, the form fits, and all CB blocks fit on the device at once.
+  const auto grid_fits = [&](auto cb) {
     constexpr int CB = decltype(cb)::value;
     return workspace_chunks(p.num_picks, p.num_local) >= CB &&
-           static_cast<long long>(CB) * p.num_local <= kGridMaxExchange && cluster_fits(p, CB, max_picks) &&
+           static_cast<long long>(CB) * p.num_local <= kGridMaxExchange && cluster_fits(p, CB) &&
            grid_schedulable<CB, Id>(cluster_smem_bytes(p, CB));
   };
   using Grid32 = std::integral_constant<int, 32>;
@@ -515,19 +509,19 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
       break;
     case ForcedPath::kCluster8:
-      if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
+      if (cluster_fits(p, 8)) return launch_cluster<8, Id>(p, stream);
       break;
     case ForcedPath::kCluster16:
       if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
       break;
     case ForcedPath::kGrid32:
-      if (grid_fits(Grid32{}, kGrid32MaxPicks)) return launch_cluster<32, Id>(p, stream);
+      if (grid_fits(Grid32{})) return launch_cluster<32, Id>(p, stream);
       break;
     case ForcedPath::kGrid64:
-      if (grid_fits(Grid64{}, kGrid64MaxPicks)) return launch_cluster<64, Id>(p, stream);
+      if (grid_fits(Grid64{})) return launch_cluster<64, Id>(p, stream);
       break;
     case ForcedPath::kGrid128:
-      if (grid_fits(Grid128{}, kGrid128MaxPicks)) return launch_cluster<128, Id>(p, stream);
+      if (grid_fits(Grid128{})) return launch_cluster<128, Id>(p, stream);
       break;
     case ForcedPath::kChunked:
       return launch_multi_kernel<Id>(p, stream);
@@ -539,18 +533,14 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   const long long n = p.num_picks;
   const bool grid128_preferred = p.num_local <= kGrid128MaxLocal;
   if (n <= kPicksPerBlock * 16 && cluster16_fits()) return launch_cluster<16, Id>(p, stream);
-  if (n <= kPicksPerBlock * 32 && grid_fits(Grid32{}, kGrid32MaxPicks))
-    return launch_cluster<32, Id>(p, stream);
-  if (n <= kPicksPerBlock * 64 && grid_fits(Grid64{}, kGrid64MaxPicks))
-    return launch_cluster<64, Id>(p, stream);
-  if (grid128_preferred && n <= kPicksPerBlock * 128 && grid_fits(Grid128{}, kGrid128MaxPicks))
+  if (n <= kPicksPerBlock * 32 && grid_fits(Grid32{})) return launch_cluster<32, Id>(p, stream);
+  if (n <= kPicksPerBlock * 64 && grid_fits(Grid64{})) return launch_cluster<64, Id>(p, stream);
+  if (grid128_preferred && n <= kPicksPerBlock * 128 && grid_fits(Grid128{}))
     return launch_cluster<128, Id>(p, stream);
-  if (n <= kMaxPicksPerBlock * 64 && grid_fits(Grid64{}, kGrid64MaxPicks))
-    return launch_cluster<64, Id>(p, stream);
-  if (n <= kMaxPicksPerBlock * 128 && grid_fits(Grid128{}, kGrid128MaxPicks))
-    return launch_cluster<128, Id>(p, stream);
+  if (n <= kMaxPicksPerBlock * 64 && grid_fits(Grid64{})) return launch_cluster<64, Id>(p, stream);
+  if (n <= kMaxPicksPerBlock * 128 && grid_fits(Grid128{})) return launch_cluster<128, Id>(p, stream);
   if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
-  if (cluster_fits(p, 8, kCluster8MaxPicks)) return launch_cluster<8, Id>(p, stream);
+  if (cluster_fits(p, 8)) return launch_cluster<8, Id>(p, stream);
   return launch_multi_kernel<Id>(p, stream);
 }
 

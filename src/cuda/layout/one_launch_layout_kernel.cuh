@@ -105,11 +105,10 @@ static_assert(kOneWarps % 4 == 0, "the histogram is zeroed with 16-byte stores")
 constexpr int kClusterBlocksPortable = 8;
 // Past 16 blocks (the largest cluster) the one-launch kernel runs as a cooperative grid of CB
 // blocks (all resident at once) that meet at cooperative_groups' grid barrier: the grid form, of
-// up to kMaxGridBlocks blocks. (Its barrier word is the driver's, initialised for every launch: a
+// 32, 64 or 128 blocks (layout.cu). (Its barrier word is the driver's, initialised for every launch: a
 // counter in the caller's workspace could hold anything, and the bit-31 flip scheme of a grid
 // barrier then hung when carries from the low bits flipped bit 31 twice.)
 constexpr int kMaxClusterBlocks = 16;
-constexpr int kMaxGridBlocks = 128;
 constexpr std::size_t kOneMaxSmem = 160 * 1024;
 
 // LayoutParams::rank_words is a multiple of this (the per-expert pass reads whole batches).

@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "common/cuda_test_util.h"
-#include "common/scoped_env.h"
 #include "common/numeric.h"
 #include "common/routing_names.h"
+#include "common/scoped_env.h"
 #include "common/test_data.h"
 #include "switchyard/switchyard.h"
 
@@ -608,6 +608,37 @@ TEST(RoutingCuda, GroupLimits) {
   }
 }
 
+// Groups of 32 experts on the specialised sigmoid + fp32 bias -> normalize kernels of 129-256
+// experts (DeepSeek-V3's rule): routing.cu fixes their group shift at compile time, and
+// route_warp.cuh's group_limit_lanes ranks the groups by pairs of lanes there (kPairRanks). Every
+// number of groups that fits (E = 32 * n_group; E < 256 leaves chunks past E), several topk_group
+// (ties between group scores: the tied kind), the three rules, early (T <= 256) and late bias loads.
+TEST(RoutingCuda, GroupPairRanks) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int n_group : {8, 7, 6, 5}) {
+    const int E = 32 * n_group;
+    for (int topk_group : {1, 2, n_group / 2, n_group - 1}) {
+      for (GroupRule rule : {GroupRule::kTop2Sum, GroupRule::kMax, GroupRule::kTopKSum}) {
+        for (Kind kind : {Kind::kTied, Kind::kNormal, Kind::kNearTied, Kind::kSpecial}) {
+          Case c;
+          const int K = (i % 3 == 0) ? 8 : (i % 3 == 1) ? 2 * topk_group : 6;
+          c.config = make_config(E, std::min(K, 32 * topk_group), PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+          c.config.group_rule = rule;
+          c.config.n_group = n_group;
+          c.config.topk_group = topk_group;
+          if (!switchyard::validate(c.config).ok()) continue;  // topk_sum with K / topk_group > 32
+          c.bias = true;                                       // fp32, aligned rows: the specialised kernels
+          c.T = (i % 4 == 0) ? 1 : (i % 4 == 1) ? 200 : (i % 4 == 2) ? 257 : 1100;
+          c.kind = kind;
+          c.logits_dtype = (i % 5 == 1) ? DType::kBFloat16 : DType::kFloat32;
+          if (!check_aligned(c, i)) return;
+        }
+      }
+    }
+  }
+}
+
 // One input kind over an (E, K) grid; pre, post, group rule (every group_every-th case that can
 // have groups), bias (every bias_every-th case), logits dtype, T and the secondary axes are drawn
 // from the case counter.
@@ -706,8 +737,8 @@ TEST(RoutingCuda, BucketExactRows) {
 // buffer holds: the exact rounds rescan) and rows with a candidate hidden in the last pick's bucket.
 TEST(RoutingCuda, WidePackedRows) {
   SY_SKIP_WITHOUT_GPU();
-  const Kind kinds[] = {Kind::kTied,     Kind::kNegative, Kind::kLaneHeavy,
-                        Kind::kNormal,   Kind::kNearTied, Kind::kHiddenInBucket};
+  const Kind kinds[] = {Kind::kTied,   Kind::kNegative, Kind::kLaneHeavy,
+                        Kind::kNormal, Kind::kNearTied, Kind::kHiddenInBucket};
   int i = 0;
   const auto run = [&](int E, int K, Kind kind, DType dt, std::int64_t T) {
     Case c;
@@ -720,7 +751,10 @@ TEST(RoutingCuda, WidePackedRows) {
   for (int E : {520, 640, 1000, 1536, 2048}) {
     for (int K : {1, 2, 8, 17, 32}) {
       for (Kind kind : kinds) {
-        if (!run(E, K, kind, (i % 4 == 3) ? DType::kFloat16 : (i % 2) ? DType::kFloat32 : DType::kBFloat16,
+        if (!run(E, K, kind,
+                 (i % 4 == 3) ? DType::kFloat16
+                 : (i % 2)    ? DType::kFloat32
+                              : DType::kBFloat16,
                  large_t(i, 97)))
           return;
       }
@@ -757,9 +791,9 @@ TEST(RoutingCuda, HiddenInBucket) {
 // specialised kernels (aligned rows, fp32 bias), with near-tied rows (values a few ulps apart at
 // the K-th pick, see Kind::kNearTied), group limits on the lane path and, for E = 384, 576, 640 and
 // 896, the chunk path (past E = 512: route_warp on packed buffers, specialised since session 13;
-// without a group limit those rows take the wide kernels), and the usual kinds. (Written for a verified-selection experiment that selected on an
-// approximate sigmoid, session 12, rejected: bench/results/README.md; it keeps the exact kernels'
-// near ties covered.)
+// without a group limit those rows take the wide kernels), and the usual kinds. (Written for a
+// verified-selection experiment that selected on an approximate sigmoid, session 12, rejected:
+// bench/results/README.md; it keeps the exact kernels' near ties covered.)
 TEST(RoutingCuda, SigmoidBiasNearTies) {
   SY_SKIP_WITHOUT_GPU();
   int i = 0;

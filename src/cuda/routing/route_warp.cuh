@@ -11,9 +11,13 @@
 //   std::size_t route_smem_bytes_per_warp<Shape, bool kPackedTopK = true>(const RouteParams& p);
 //       host: dynamic shared memory each warp of route_warp<Shape, ..., kPackedTopK> must own
 //       (group limits; the row's keys for the packed candidate buffers).
-//   template <class Shape, bool kEarlyBias = false, bool kPackedTopK = true> __device__ void
-//       route_warp(const RouteParams& p, std::int64_t first_row, unsigned char* warp_smem,
-//       RoutedPicks<Shape>* picks);
+//   void set_route_smem<Shape, bool kPackedTopK = true>(RouteParams& p);
+//       host: records that shared memory's layout in p; call it before passing p to route_warp.
+//   template <class Shape, bool kEarlyBias = false, bool kPackedTopK = true, int kGroupShift = 0>
+//       __device__ void route_warp(const RouteParams& p, std::int64_t first_row,
+//       unsigned char* warp_smem, RoutedPicks<Shape>* picks);
+//       kGroupShift > 0: p.group_shift (lane group path) is known to equal it (see
+//       group_limit_lanes); 0: any.
 //       Called by all 32 lanes of a converged warp. Routes the Shape::kRowsPerWarp rows
 //       first_row, first_row + 1, ... (rows >= p.num_tokens are computed on dummy data and not
 //       written). Writes topk_ids / topk_weights when p.topk_ids / p.topk_weights are
@@ -149,6 +153,11 @@ struct RouteParams {
   // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
   int group_lanes = 0;
   int group_shift = 0;  // log2(G / 4)
+  // route_warp's shared memory per row (route_smem_bytes_per_row) and its group paths' part at the
+  // start of it (route_group_smem_bytes), bytes: set on the host by set_route_smem for the kernel's
+  // Shape, so that the device does not recompute them for every row (~25 instructions per row, ncu).
+  int smem_row_bytes = 0;
+  int smem_group_bytes = 0;
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
@@ -317,7 +326,7 @@ inline bool wide_packed_buffers(const RouteParams& p) {
 // Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)
 // or keys (4 bytes per expert slot), then n_group score keys and n_group selection flags.
 template <class Shape>
-__host__ __device__ __forceinline__ std::size_t route_group_smem_bytes(const RouteParams& p) {
+inline std::size_t route_group_smem_bytes(const RouteParams& p) {
   if (p.group_path == kGroupNone || (Shape::W == 32 && p.group_lanes)) return 0;
   const std::size_t head = p.group_path == kGroupChunks ? std::size_t{8} * Shape::W * Shape::S
                                                         : std::size_t{16} * Shape::W * Shape::S;
@@ -333,7 +342,7 @@ inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 8;
 // whole-warp rows up to E = 1024 (see select_top_k_packed; kPackedTopK), the row's selection keys
 // and, with a bias, its p.
 template <class Shape, bool kPackedTopK = true>
-__host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
+inline std::size_t route_smem_bytes_per_row(const RouteParams& p) {
   constexpr bool keys = kPackedTopK && kPackedBuffers<Shape>;
   const std::size_t per_expert = !keys ? 0 : p.bias != nullptr ? 8 : 4;  // key (and p with a bias)
   return route_group_smem_bytes<Shape>(p) + per_expert * Shape::kMaxExperts;
@@ -341,8 +350,15 @@ __host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const R
 
 // Dynamic shared memory each warp of a Shape kernel must own for these parameters.
 template <class Shape, bool kPackedTopK = true>
-__host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_warp(const RouteParams& p) {
+inline std::size_t route_smem_bytes_per_warp(const RouteParams& p) {
   return route_smem_bytes_per_row<Shape, kPackedTopK>(p) * Shape::kRowsPerWarp;
+}
+
+// Sets p.smem_row_bytes and p.smem_group_bytes for route_warp<Shape, ..., kPackedTopK> (host).
+template <class Shape, bool kPackedTopK = true>
+inline void set_route_smem(RouteParams& p) {
+  p.smem_row_bytes = static_cast<int>(route_smem_bytes_per_row<Shape, kPackedTopK>(p));
+  p.smem_group_bytes = static_cast<int>(route_group_smem_bytes<Shape>(p));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -769,13 +785,19 @@ __device__ __forceinline__ void group_limit_chunks(const RouteParams& p, std::ui
 // one stripe. Its top-2 keys come from xor butterflies inside those lanes (the top 2 of a union
 // are the top 2 of the two halves' top 2s), and the kept groups end up in a warp-uniform bit
 // mask (n_group <= 32). Same scores, same order (key desc, group asc) as group_limit_chunks;
-// no shared memory.
-template <class Shape>
+// no shared memory. kShift > 0: group_shift known at compile time (a Spec's; p.group_shift ==
+// kShift), which unrolls the butterflies and, where a stripe's groups are few enough
+// (kPairRanks), ranks the groups by pairs (below); 0: p.group_shift at run time.
+template <class Shape, int kShift>
+inline constexpr bool kPairRanks = kShift > 0 && Shape::S*(32 >> kShift) <= (1 << kShift);
+
+template <class Shape, int kShift = 0>
 __device__ __forceinline__ void group_limit_lanes(const RouteParams& p, std::uint32_t (&key)[Shape::kValues],
                                                   int sl) {
   constexpr int S = Shape::S;
   static_assert(Shape::W == 32, "lane path needs whole-warp rows");
-  const int lanes = 1 << p.group_shift;
+  const int shift = kShift > 0 ? kShift : p.group_shift;
+  const int lanes = 1 << shift;
   const int chunks = p.num_experts / 4;
   std::uint32_t score[S];  // group score key; 0 for chunks past E (no group)
   int grp[S];
@@ -785,39 +807,67 @@ __device__ __forceinline__ void group_limit_lanes(const RouteParams& p, std::uin
     const std::uint32_t hi1 = max(a, b), lo1 = min(a, b), hi2 = max(c, d), lo2 = min(c, d);
     std::uint32_t t1 = max(hi1, hi2);
     std::uint32_t t2 = max(min(hi1, hi2), max(lo1, lo2));
-    for (int off = 1; off < lanes; off <<= 1) {  // uniform trip count
+#pragma unroll
+    for (int off = 1; off < (kShift > 0 ? (1 << kShift) : 32); off <<= 1) {
+      if (kShift == 0 && off >= lanes) break;  // uniform
       const std::uint32_t u1 = __shfl_xor_sync(kFullMask, t1, off);
       const std::uint32_t u2 = __shfl_xor_sync(kFullMask, t2, off);
       t2 = max(min(t1, u1), max(t2, u2));
       t1 = max(t1, u1);
     }
     const int ch = 32 * i + sl;
-    grp[i] = ch >> p.group_shift;
+    grp[i] = ch >> shift;
     const float sc = p.group_take == 1 ? key_score(t1) : __fadd_rn(key_score(t1), key_score(t2));
     score[i] = ch < chunks ? canonical_key(sc) : 0u;  // canonical keys are never 0
   }
-  // The kept groups by rank instead of topk_group rounds of two warp reductions (a dependent
-  // chain of ~90 cycles per round at T = 1): lane g < n_group fetches group g's score (from the
-  // first lane of its chunks, stripe (g << shift) >> 5), counts the groups ranking before it
-  // (score desc, group asc) from broadcasts that do not depend on each other, and one ballot of
-  // "rank < topk_group" is the mask. Measured on the H200 (deepseek-v3, fp32, us): T = 1 2.87
-  // against 3.04-3.16, T = 128 3.9 against 4.0, T = 65536 67.5 against 68.4.
-  std::uint32_t my_score = 0;
-  {
-    const int ch = sl << p.group_shift;  // group sl's first chunk (meaningful for sl < n_group)
+  // The kept groups by rank (the number of groups ranking before a group: score desc, group asc)
+  // instead of topk_group rounds of two warp reductions (a dependent chain of ~90 cycles per round
+  // at T = 1); one ballot of "rank < topk_group" over the lanes g < n_group is the mask. Measured
+  // on the H200 (deepseek-v3, fp32, us): T = 1 2.87 against 3.04-3.16, T = 128 3.9 against 4.0,
+  // T = 65536 67.5 against 68.4 (the broadcasts below).
+  int better = 0;
+  if constexpr (kPairRanks<Shape, kShift>) {
+    // By pairs: lane l ranks group s = l % 2^shift (meaningful for s < n_group) against the S groups
+    // whose scores it holds, i * (32 >> shift) + (l >> shift); the lanes of one s hold every group
+    // between them (2^shift >= S * (32 >> shift) groups: DeepSeek-V3's 8 groups of 32 at E = 256),
+    // and xor shuffles add up their counts. S + 5 - shift shuffles instead of ~n_group + S (ncu,
+    // deepseek-v3 T = 65536: the group limit was ~230 of ~910 instructions per row).
+    constexpr int kPerStripe = 32 >> kShift;
+    const int s = sl & ((1 << kShift) - 1);
+    const int src = (s % kPerStripe) << kShift;  // a lane of group s's chunks, stripe s / kPerStripe
+    std::uint32_t mine = 0;
 #pragma unroll
     for (int i = 0; i < S; ++i) {
-      const std::uint32_t v = __shfl_sync(kFullMask, score[i], ch & 31);
-      if (i == (ch >> 5)) my_score = v;
+      const std::uint32_t v = __shfl_sync(kFullMask, score[i], src);
+      if (i == s / kPerStripe) mine = v;
     }
-  }
-  int better = 0;
-  for (int g0 = 0; g0 < p.n_group; g0 += 8) {  // uniform; n_group <= 32
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int g = g0 + u;
-      const std::uint32_t v = __shfl_sync(kFullMask, my_score, g & 31);
-      better += (g < p.n_group && (v > my_score || (v == my_score && g < sl))) ? 1 : 0;
+    for (int i = 0; i < S; ++i) {
+      const int g = i * kPerStripe + (sl >> kShift);
+      better += (score[i] > mine || (score[i] == mine && g < s)) ? 1 : 0;
+    }
+#pragma unroll
+    for (int off = 1 << kShift; off < 32; off <<= 1) better += __shfl_xor_sync(kFullMask, better, off);
+  } else {
+    // By broadcasts: lane g < n_group fetches group g's score (from the first lane of its chunks,
+    // stripe (g << shift) >> 5) and counts the groups ranking before it from n_group broadcasts
+    // that do not depend on each other.
+    std::uint32_t my_score = 0;
+    {
+      const int ch = sl << shift;  // group sl's first chunk (meaningful for sl < n_group)
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        const std::uint32_t v = __shfl_sync(kFullMask, score[i], ch & 31);
+        if (i == (ch >> 5)) my_score = v;
+      }
+    }
+    for (int g0 = 0; g0 < p.n_group; g0 += 8) {  // uniform; n_group <= 32
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int g = g0 + u;
+        const std::uint32_t v = __shfl_sync(kFullMask, my_score, g & 31);
+        better += (g < p.n_group && (v > my_score || (v == my_score && g < sl))) ? 1 : 0;
+      }
     }
   }
   const std::uint32_t kept = __ballot_sync(kFullMask, sl < p.n_group && better < p.topk_group);
@@ -1066,17 +1116,18 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
   // resume after them. With D >= V a lane's buffer holds all its candidates (nothing is ever
   // hidden; every row has at least K candidates of key > 0, so last_mk > 0): the fast pass is
   // exact and the check goes.
-  const std::uint32_t last_mk = plain_fast_pass<Shape, SL * W>(K, sl, lane4, bk, bb, pick_key, pick_e);  // SL * W >= K
+  const std::uint32_t last_mk =
+      plain_fast_pass<Shape, SL * W>(K, sl, lane4, bk, bb, pick_key, pick_e);  // SL * W >= K
   if constexpr (D < V) {
     const std::uint32_t hm = segment_max<W>(bk[0] == 0u ? next : 0u);  // the largest hidden key
-    if (__any_sync(kFullMask, hm >= last_mk))                            // uniform
+    if (__any_sync(kFullMask, hm >= last_mk))                          // uniform
       exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, /*collided=*/false, hm, refill);
   }
 }
 
 // Packed candidate buffers (route_warp with kPackedTopK: whole-warp rows up to E = 1024; routing.cu
-// uses them for K >= kPackedMinK; route_warp_wide's up to E = 2048). A lane keeps packed keys only: a value's key with its low
-// kIndexBits bits (the bucket is what is left) replaced by the inverted expert index, so one
+// uses them for K >= kPackedMinK; route_warp_wide's up to E = 2048). A lane keeps packed keys only: a value's
+// key with its low kIndexBits bits (the bucket is what is left) replaced by the inverted expert index, so one
 // unsigned compare orders (bucket desc, expert asc), and the buffer insert is five min / max
 // instructions (eight per two values, packed_insert2) instead of compares and selects on a key
 // and an expert (the ALU pipe bounded these kernels at large T: ncu, 60-77% of its peak). The
@@ -1336,7 +1387,7 @@ __device__ __forceinline__ void finish_row(const RouteParams& p, int K, std::int
 // kEarlyBias: the bias is loaded into registers together with the logits, so that its latency
 // (an L2 hit, ~600 cycles on the H200) overlaps theirs; otherwise it is loaded when the keys are
 // made, which keeps V registers free (more rows in flight per SM at large T; see routing.cu).
-template <class Shape, bool kEarlyBias = false, bool kPackedTopK = true>
+template <class Shape, bool kEarlyBias = false, bool kPackedTopK = true, int kGroupShift = 0>
 __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t first_row,
                                            unsigned char* warp_smem, RoutedPicks<Shape>* picks) {
   using namespace dev;
@@ -1453,13 +1504,12 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   // Shared memory of the row: the group paths' (srow), then, with the packed buffers, the keys
   // (skey) and, with a bias, p for the weights (sp: the keys do not give it). p is stored here,
   // while v still holds it (later v would stay live through the group step).
-  unsigned char* srow =
-      warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape, kPackedTopK>(p);
+  unsigned char* srow = warp_smem == nullptr ? nullptr : warp_smem + seg * p.smem_row_bytes;
   constexpr bool packed = kPackedTopK && kPackedBuffers<Shape>;
   const float* sp = nullptr;
   if constexpr (packed) {
     if (p.bias != nullptr) {
-      float* spw = reinterpret_cast<float*>(srow + route_group_smem_bytes<Shape>(p)) + Shape::kMaxExperts;
+      float* spw = reinterpret_cast<float*>(srow + p.smem_group_bytes) + Shape::kMaxExperts;
 #pragma unroll
       for (int i = 0; i < S; ++i)
         *reinterpret_cast<float4*>(spw + 4 * W * i + lane4) =
@@ -1503,7 +1553,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     bool done = false;
     if constexpr (W == 32) {
       if (p.group_lanes) {
-        group_limit_lanes<Shape>(p, key, sl);
+        group_limit_lanes<Shape, kGroupShift>(p, key, sl);
         done = true;
       }
     }
@@ -1536,7 +1586,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     // picks, the check and the exact rounds; expert e = 128 i + lane4 + c sits at skey[e]. (The
     // address is recomputed rather than kept from step 3: holding it there cost the E = 256
     // softmax kernel 9 registers.)
-    std::uint32_t* skey = reinterpret_cast<std::uint32_t*>(srow + route_group_smem_bytes<Shape>(p));
+    std::uint32_t* skey = reinterpret_cast<std::uint32_t*>(srow + p.smem_group_bytes);
 #pragma unroll
     for (int i = 0; i < S; ++i) {
       *reinterpret_cast<uint4*>(skey + 4 * W * i + lane4) =
@@ -1548,7 +1598,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     if constexpr (D == 2) {
 #pragma unroll
       for (int j = 0; j < V; j += 2)
-        packed_insert2(bp, pnext, packed_key<Shape>(key[j], lane_inv, j), packed_key<Shape>(key[j + 1], lane_inv, j + 1));
+        packed_insert2(bp, pnext, packed_key<Shape>(key[j], lane_inv, j),
+                       packed_key<Shape>(key[j + 1], lane_inv, j + 1));
     } else {
 #pragma unroll
       for (int j = 0; j < V; ++j) packed_insert<D>(bp, pnext, packed_key<Shape>(key[j], lane_inv, j));
@@ -1731,7 +1782,9 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   std::uint32_t pick_key[SL];
   int pick_e[SL];
   const auto refill = [&](std::uint32_t(&rk)[D], int(&rb)[D], std::uint32_t& rn, std::uint32_t k, int e,
-                          int lane_offset) { buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset); };
+                          int lane_offset) {
+    buffer_refill_after<Shape>(visit_keys, rk, rb, rn, k, e, lane_offset);
+  };
   // Packed candidate buffers (route_warp's, see select_top_k_packed; kPackedTopK: the caller's
   // choice, wide_packed_buffers). full_key recomputes an expert's key from its logit (and bias): the
   // checks ask for the picks' keys and some heads' (L1 / L2 hits). bf16 / fp16 logits without pre
@@ -1753,7 +1806,8 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
       return canonical_key(q);
     };
     // With a bias finish_row takes p from the logit: the picks' keys are not needed there.
-    select_top_k_packed<Shape, true>(K, sl, lane4, bp, pnext, bucket_exact_keys(p), full_key, pick_key, pick_e,
+    select_top_k_packed<Shape, true>(K, sl, lane4, bp, pnext, bucket_exact_keys(p), full_key, pick_key,
+                                     pick_e,
                                      /*keys_needed=*/p.bias == nullptr, refill);
   } else {
     std::uint32_t bk[D] = {}, next = 0u;

@@ -39,22 +39,29 @@ constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute need
 struct SpecGeneric {};
 // A Spec's group limit: none, the lane path, or the chunk path without lanes (route_warp.cuh).
 enum SpecGroup : int { kSpecGroupNone = 0, kSpecGroupLanes = 1, kSpecGroupChunks = 2 };
-template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarlyBias = false>
+// kShift > 0 (lane path only): the group shift log2(G / 4) too (route_warp's kGroupShift).
+template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarlyBias = false,
+          int kShift = 0>
 struct Spec {};
 constexpr std::int64_t kEarlyBiasMaxTokens = 256;
 
 template <class S>
 struct SpecTraits;
-template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarly>
-struct SpecTraits<Spec<kDtype, kPre, kBias, kGroup, kPost, kEarly>> {
+template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarly, int kShift>
+struct SpecTraits<Spec<kDtype, kPre, kBias, kGroup, kPost, kEarly, kShift>> {
+  static_assert(kShift == 0 || kGroup == kSpecGroupLanes, "a group shift belongs to the lane path");
   static constexpr bool kEarlyBias = kEarly;
+  static constexpr int kGroupShift = kShift;
   static bool matches(const RouteParams& p) {
     if (kEarly && p.num_tokens > kEarlyBiasMaxTokens) return false;
     if (p.logits_dtype != static_cast<int>(kDtype) || !p.logits_vec) return false;
     if (p.pre != kPre || p.post != kPost) return false;
     if (kBias != (p.bias != nullptr)) return false;
     if (kBias && (p.bias_dtype != static_cast<int>(DType::kFloat32) || !p.bias_vec)) return false;
-    if (kGroup == kSpecGroupLanes) return p.group_path == routing::kGroupChunks && p.group_lanes != 0;
+    if (kGroup == kSpecGroupLanes) {
+      return p.group_path == routing::kGroupChunks && p.group_lanes != 0 &&
+             (kShift == 0 || p.group_shift == kShift);
+    }
     if (kGroup == kSpecGroupChunks) return p.group_path == routing::kGroupChunks && p.group_lanes == 0;
     return p.group_path == routing::kGroupNone;
   }
@@ -74,12 +81,14 @@ struct SpecTraits<Spec<kDtype, kPre, kBias, kGroup, kPost, kEarly>> {
     } else {
       p.group_path = routing::kGroupChunks;
       p.group_lanes = kGroup == kSpecGroupLanes ? 1 : 0;
+      if (kShift > 0) p.group_shift = kShift;
     }
   }
 };
 template <>
 struct SpecTraits<SpecGeneric> {
   static constexpr bool kEarlyBias = false;
+  static constexpr int kGroupShift = 0;
   static bool matches(const RouteParams&) { return true; }
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
@@ -130,16 +139,21 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   if constexpr (kWide) {
     routing::route_warp_wide<Shape, kPackedTopK>(p, first_row, nullptr);
   } else {
-    const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
+    const int smem_per_warp = p.smem_row_bytes * Shape::kRowsPerWarp;  // set_route_smem
     unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
-    routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias, kPackedTopK>(p, first_row, warp_smem, nullptr);
+    routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias, kPackedTopK, SpecTraits<SpecT>::kGroupShift>(
+        p, first_row, warp_smem, nullptr);
   }
 }
 
 template <class Shape, class SpecT, bool kWide = false, bool kPackedTopK = true>
-Status launch_route(const RouteParams& p, cudaStream_t stream) {
+Status launch_route(const RouteParams& p_in, cudaStream_t stream) {
+  RouteParams p = p_in;
   std::size_t smem_per_warp = 0;  // route_warp_wide keeps no row in shared memory
-  if constexpr (!kWide) smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
+  if constexpr (!kWide) {
+    routing::set_route_smem<Shape, kPackedTopK>(p);
+    smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
+  }
   int warps_per_block = kWarpsPerBlock;
   if (smem_per_warp > 0) {
     const std::size_t fit = kMaxSmemPerBlock / smem_per_warp;
@@ -214,17 +228,29 @@ Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
 template <class Shape, DType kDtype>
 Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::S > 4) {
-    return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
-                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(
-        p, stream);
+    return launch_route_spec<
+        Shape, false, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
+  } else if constexpr (Shape::S == 2) {
+    // 129 <= E <= 256: DeepSeek-V3's group limit (groups of 32 experts, shift 3) also with the
+    // shift fixed (route_warp's kGroupShift: butterflies unrolled, pair ranks).
+    return launch_route_spec<
+        Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
+        Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true, 3>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
   } else {
-    return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
-                             Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
-                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
-                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
-                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-                             Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(
-        p, stream);
+    return launch_route_spec<
+        Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
+        Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
   }
 }
 
@@ -257,7 +283,8 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
       // (see kWarpForWideMinTokens); everything else stays on the wide kernels.
       if constexpr (routing::kPackedBuffers<Shape>) {
         if (p.num_tokens >= kWarpForWideMinTokens && p.top_k >= routing::dev::kPackedMinK) {
-          using SigmoidBf16 = Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
+          using SigmoidBf16 =
+              Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
           using SoftmaxF32 = Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
           using SoftmaxBf16 = Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
           if (SpecTraits<SigmoidBf16>::matches(p)) return launch_route<Shape, SigmoidBf16>(p, stream);
@@ -269,7 +296,8 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
           Shape, true, Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
           Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
           Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-          Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>, SpecGeneric>(p, stream);
+          Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>, SpecGeneric>(
+          p, stream);
     }
   }
   if constexpr (routing::kPackedBuffers<Shape>) {

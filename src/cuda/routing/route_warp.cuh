@@ -11,8 +11,6 @@
 //   std::size_t route_smem_bytes_per_warp<Shape, bool kPackedTopK = true>(const RouteParams& p);
 //       host: dynamic shared memory each warp of route_warp<Shape, ..., kPackedTopK> must own
 //       (group limits; the row's keys for the packed candidate buffers).
-//   void set_route_smem<Shape, bool kPackedTopK = true>(RouteParams& p);
-//       host: records that shared memory's layout in p; call it before passing p to route_warp.
 //   template <class Shape, bool kEarlyBias = false, bool kPackedTopK = true, int kGroupShift = 0>
 //       __device__ void route_warp(const RouteParams& p, std::int64_t first_row,
 //       unsigned char* warp_smem, RoutedPicks<Shape>* picks);
@@ -153,11 +151,6 @@ struct RouteParams {
   // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
   int group_lanes = 0;
   int group_shift = 0;  // log2(G / 4)
-  // route_warp's shared memory per row (route_smem_bytes_per_row) and its group paths' part at the
-  // start of it (route_group_smem_bytes), bytes: set on the host by set_route_smem for the kernel's
-  // Shape, so that the device does not recompute them for every row (~25 instructions per row, ncu).
-  int smem_row_bytes = 0;
-  int smem_group_bytes = 0;
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
@@ -326,7 +319,7 @@ inline bool wide_packed_buffers(const RouteParams& p) {
 // Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)
 // or keys (4 bytes per expert slot), then n_group score keys and n_group selection flags.
 template <class Shape>
-inline std::size_t route_group_smem_bytes(const RouteParams& p) {
+__host__ __device__ __forceinline__ std::size_t route_group_smem_bytes(const RouteParams& p) {
   if (p.group_path == kGroupNone || (Shape::W == 32 && p.group_lanes)) return 0;
   const std::size_t head = p.group_path == kGroupChunks ? std::size_t{8} * Shape::W * Shape::S
                                                         : std::size_t{16} * Shape::W * Shape::S;
@@ -342,7 +335,7 @@ inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 8;
 // whole-warp rows up to E = 1024 (see select_top_k_packed; kPackedTopK), the row's selection keys
 // and, with a bias, its p.
 template <class Shape, bool kPackedTopK = true>
-inline std::size_t route_smem_bytes_per_row(const RouteParams& p) {
+__host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
   constexpr bool keys = kPackedTopK && kPackedBuffers<Shape>;
   const std::size_t per_expert = !keys ? 0 : p.bias != nullptr ? 8 : 4;  // key (and p with a bias)
   return route_group_smem_bytes<Shape>(p) + per_expert * Shape::kMaxExperts;
@@ -350,15 +343,8 @@ inline std::size_t route_smem_bytes_per_row(const RouteParams& p) {
 
 // Dynamic shared memory each warp of a Shape kernel must own for these parameters.
 template <class Shape, bool kPackedTopK = true>
-inline std::size_t route_smem_bytes_per_warp(const RouteParams& p) {
+__host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_warp(const RouteParams& p) {
   return route_smem_bytes_per_row<Shape, kPackedTopK>(p) * Shape::kRowsPerWarp;
-}
-
-// Sets p.smem_row_bytes and p.smem_group_bytes for route_warp<Shape, ..., kPackedTopK> (host).
-template <class Shape, bool kPackedTopK = true>
-inline void set_route_smem(RouteParams& p) {
-  p.smem_row_bytes = static_cast<int>(route_smem_bytes_per_row<Shape, kPackedTopK>(p));
-  p.smem_group_bytes = static_cast<int>(route_group_smem_bytes<Shape>(p));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1504,12 +1490,16 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   // Shared memory of the row: the group paths' (srow), then, with the packed buffers, the keys
   // (skey) and, with a bias, p for the weights (sp: the keys do not give it). p is stored here,
   // while v still holds it (later v would stay live through the group step).
-  unsigned char* srow = warp_smem == nullptr ? nullptr : warp_smem + seg * p.smem_row_bytes;
+  unsigned char* srow =
+      warp_smem == nullptr
+          ? nullptr
+          : warp_smem + seg * static_cast<int>(route_smem_bytes_per_row<Shape, kPackedTopK>(p));
   constexpr bool packed = kPackedTopK && kPackedBuffers<Shape>;
   const float* sp = nullptr;
   if constexpr (packed) {
     if (p.bias != nullptr) {
-      float* spw = reinterpret_cast<float*>(srow + p.smem_group_bytes) + Shape::kMaxExperts;
+      float* spw = reinterpret_cast<float*>(srow + static_cast<int>(route_group_smem_bytes<Shape>(p))) +
+                   Shape::kMaxExperts;
 #pragma unroll
       for (int i = 0; i < S; ++i)
         *reinterpret_cast<float4*>(spw + 4 * W * i + lane4) =
@@ -1586,7 +1576,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     // picks, the check and the exact rounds; expert e = 128 i + lane4 + c sits at skey[e]. (The
     // address is recomputed rather than kept from step 3: holding it there cost the E = 256
     // softmax kernel 9 registers.)
-    std::uint32_t* skey = reinterpret_cast<std::uint32_t*>(srow + p.smem_group_bytes);
+    std::uint32_t* skey =
+        reinterpret_cast<std::uint32_t*>(srow + static_cast<int>(route_group_smem_bytes<Shape>(p)));
 #pragma unroll
     for (int i = 0; i < S; ++i) {
       *reinterpret_cast<uint4*>(skey + 4 * W * i + lane4) =

@@ -139,7 +139,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   if constexpr (kWide) {
     routing::route_warp_wide<Shape, kPackedTopK>(p, first_row, nullptr);
   } else {
-    const int smem_per_warp = p.smem_row_bytes * Shape::kRowsPerWarp;  // set_route_smem
+    // 32-bit arithmetic: a few KB per warp.
+    const int smem_per_warp = static_cast<int>(routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p));
     unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
     routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias, kPackedTopK, SpecTraits<SpecT>::kGroupShift>(
         p, first_row, warp_smem, nullptr);
@@ -147,13 +148,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
 }
 
 template <class Shape, class SpecT, bool kWide = false, bool kPackedTopK = true>
-Status launch_route(const RouteParams& p_in, cudaStream_t stream) {
-  RouteParams p = p_in;
+Status launch_route(const RouteParams& p, cudaStream_t stream) {
   std::size_t smem_per_warp = 0;  // route_warp_wide keeps no row in shared memory
-  if constexpr (!kWide) {
-    routing::set_route_smem<Shape, kPackedTopK>(p);
-    smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
-  }
+  if constexpr (!kWide) smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
   int warps_per_block = kWarpsPerBlock;
   if (smem_per_warp > 0) {
     const std::size_t fit = kMaxSmemPerBlock / smem_per_warp;

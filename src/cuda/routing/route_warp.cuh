@@ -82,7 +82,9 @@
 //   other group configuration takes a generic path: the row's keys go to shared memory and each lane ranks
 //   its groups by scanning. With W = 32, G / 4 a power of two and n_group <= 32 (DeepSeek-V3) a group's
 //   chunks are consecutive lanes of one stripe: xor butterflies, and each group's rank among the groups from
-//   n_group independent broadcasts, kept where rank < topk_group (group_limit_lanes). Weights. Pick k sits in
+//   n_group independent broadcasts, or, where a Spec fixes G (DeepSeek-V3's 8 groups of 32), from pairs
+//   of lanes that each compare one group with the S groups they hold, kept where rank < topk_group
+//   (group_limit_lanes). Weights. Pick k sits in
 //   lane k % W of the segment (slot k / W). p of a pick equals its q (no bias) or is recomputed from the
 //   logit (with bias, or q == 0 where p may be -0), with the same code as the main pass. Sums over the K
 //   picks run in k order (shuffles), the rest is per lane.
@@ -793,9 +795,7 @@ __device__ __forceinline__ void group_limit_lanes(const RouteParams& p, std::uin
     const std::uint32_t hi1 = max(a, b), lo1 = min(a, b), hi2 = max(c, d), lo2 = min(c, d);
     std::uint32_t t1 = max(hi1, hi2);
     std::uint32_t t2 = max(min(hi1, hi2), max(lo1, lo2));
-#pragma unroll
-    for (int off = 1; off < (kShift > 0 ? (1 << kShift) : 32); off <<= 1) {
-      if (kShift == 0 && off >= lanes) break;  // uniform
+    for (int off = 1; off < lanes; off <<= 1) {  // uniform trip count (a constant where kShift is)
       const std::uint32_t u1 = __shfl_xor_sync(kFullMask, t1, off);
       const std::uint32_t u2 = __shfl_xor_sync(kFullMask, t2, off);
       t2 = max(min(t1, u1), max(t2, u2));
@@ -1491,15 +1491,12 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   // (skey) and, with a bias, p for the weights (sp: the keys do not give it). p is stored here,
   // while v still holds it (later v would stay live through the group step).
   unsigned char* srow =
-      warp_smem == nullptr
-          ? nullptr
-          : warp_smem + seg * static_cast<int>(route_smem_bytes_per_row<Shape, kPackedTopK>(p));
+      warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape, kPackedTopK>(p);
   constexpr bool packed = kPackedTopK && kPackedBuffers<Shape>;
   const float* sp = nullptr;
   if constexpr (packed) {
     if (p.bias != nullptr) {
-      float* spw = reinterpret_cast<float*>(srow + static_cast<int>(route_group_smem_bytes<Shape>(p))) +
-                   Shape::kMaxExperts;
+      float* spw = reinterpret_cast<float*>(srow + route_group_smem_bytes<Shape>(p)) + Shape::kMaxExperts;
 #pragma unroll
       for (int i = 0; i < S; ++i)
         *reinterpret_cast<float4*>(spw + 4 * W * i + lane4) =
@@ -1576,8 +1573,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     // picks, the check and the exact rounds; expert e = 128 i + lane4 + c sits at skey[e]. (The
     // address is recomputed rather than kept from step 3: holding it there cost the E = 256
     // softmax kernel 9 registers.)
-    std::uint32_t* skey =
-        reinterpret_cast<std::uint32_t*>(srow + static_cast<int>(route_group_smem_bytes<Shape>(p)));
+    std::uint32_t* skey = reinterpret_cast<std::uint32_t*>(srow + route_group_smem_bytes<Shape>(p));
 #pragma unroll
     for (int i = 0; i < S; ++i) {
       *reinterpret_cast<uint4*>(skey + 4 * W * i + lane4) =

@@ -139,8 +139,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   if constexpr (kWide) {
     routing::route_warp_wide<Shape, kPackedTopK>(p, first_row, nullptr);
   } else {
-    // 32-bit arithmetic: a few KB per warp.
-    const int smem_per_warp = static_cast<int>(routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p));
+    const std::size_t smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
     unsigned char* warp_smem = smem_per_warp == 0 ? nullptr : route_smem + warp * smem_per_warp;
     routing::route_warp<Shape, SpecTraits<SpecT>::kEarlyBias, kPackedTopK, SpecTraits<SpecT>::kGroupShift>(
         p, first_row, warp_smem, nullptr);

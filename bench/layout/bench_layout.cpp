@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "common/gpu_timing.h"
 #include "common/git_commit.h"
+#include "common/gpu_timing.h"
 #include "common/json.h"
 
 using namespace switchyard;
@@ -240,12 +240,14 @@ int main(int argc, char** argv) {
   const std::int64_t layout_ts[] = {1, 16, 128, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144};
   for (const auto& [E, K] : {std::pair<int, int>{256, 8}, std::pair<int, int>{512, 10}}) {
     for (const std::int64_t T : layout_ts)
-      if (sy_bench::token_selected(T)) points.push_back(bench_layout_from_ids(E, K, 128, T, false, bandwidth, g));
+      if (sy_bench::token_selected(T))
+        points.push_back(bench_layout_from_ids(E, K, 128, T, false, bandwidth, g));
   }
   for (const std::int64_t T : layout_ts)
-    if (sy_bench::token_selected(T)) points.push_back(bench_layout_from_ids(256, 8, 128, T, true, bandwidth, g));
+    if (sy_bench::token_selected(T))
+      points.push_back(bench_layout_from_ids(256, 8, 128, T, true, bandwidth, g));
 
-  const std::int64_t route_ts[] = {1, 16, 128, 256, 1024, 4096, 8192};
+  const std::int64_t route_ts[] = {1, 2, 4, 8, 16, 128, 256, 1024, 4096, 8192};
   for (const char* name : {"deepseek-v3", "qwen3-next-80b"}) {
     ModelPreset preset;
     if (!find_preset(name, &preset).ok()) {

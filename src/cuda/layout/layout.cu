@@ -12,6 +12,9 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
 #include "cuda/layout/one_launch_layout_kernel.cuh"
+#include "cuda/layout/route_layout_kernel.cuh"
+#include "cuda/routing/route_spec.cuh"
+#include "cuda/routing/route_warp.cuh"
 
 namespace switchyard::cuda {
 
@@ -544,6 +547,67 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   return launch_multi_kernel<Id>(p, stream);
 }
 
+// route_and_layout in one launch for T <= kFusedMaxTokens (route_layout_kernel.cuh), for the routing
+// configurations of the issue's route + layout targets: DeepSeek-V3 (sigmoid + fp32 bias, groups of
+// 32 experts on the lane path, normalize; 129-256 experts) and Qwen3-Next (none -> softmax; 385-512
+// experts), fp32 or bf16 logits. SWITCHYARD_ROUTE_LAYOUT=two_launches (environment, read per call)
+// keeps the routing kernel and the layout kernel (chained by PDL) instead: a testing and tuning knob.
+bool fused_route_layout_disabled() {
+  const char* v = std::getenv("SWITCHYARD_ROUTE_LAYOUT");
+  return v != nullptr && std::string(v) == "two_launches";
+}
+
+template <class Shape, class SpecT>
+Status launch_route_layout_small(const routing::RouteParams& rp, const LayoutParams& p, cudaStream_t stream) {
+  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
+  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
+  LayoutParams q = with_block_slices(p, blocks);
+  q.rank_words = 0;  // the ballot ranking of the ITEMS = 1 form
+  const std::size_t smem = layout_detail::fused_smem_bytes(
+      p.num_local, routing::route_smem_bytes_per_warp<Shape, true>(rp), static_cast<int>(rp.num_tokens));
+  return launch<layout_detail::route_layout_small_kernel<Shape, SpecT, layout_detail::kKeyBitsSmall>>(
+      "route_and_layout: route_layout_small_kernel", dim3(static_cast<unsigned>(blocks)),
+      dim3(layout_detail::kOneThreads), smem, stream, rp, q);
+}
+
+// Runs route_and_layout as one launch where route_layout_small_kernel serves the call (*launched =
+// true); otherwise launches nothing.
+Status try_route_layout_small(const detail::RouteArgs& ra, const detail::LayoutArgs& la, cudaStream_t stream,
+                              bool* launched) {
+  *launched = false;
+  const std::int64_t T = ra.num_tokens;
+  const int K = ra.config.top_k;
+  if (fused_route_layout_disabled() || forced_path() != ForcedPath::kNone) return Status::Ok();
+  if (T < 1 || T > layout_detail::kFusedMaxTokens || T * K > layout_detail::kFusedMaxPicks ||
+      K < routing::dev::kPackedMinK)
+    return Status::Ok();
+  const LayoutParams p = make_params(la);
+  if (!one_block_fits(p) || layout_detail::key_bits_bound(p.key_bits) != layout_detail::kKeyBitsSmall)
+    return Status::Ok();
+  const routing::RouteParams rp = routing::make_route_params(ra);
+  using route_spec::Spec;
+  using route_spec::SpecTraits;
+  return routing::dispatch_route_shape(ra.config.num_experts, T, [&](auto shape) -> Status {
+    using Shape = decltype(shape);
+    if constexpr (Shape::W == 32 && Shape::S == 2) {
+      using F32 = Spec<DType::kFloat32, PreFn::kSigmoid, true, route_spec::kSpecGroupLanes,
+                       PostFn::kNormalize, true, 3>;
+      using Bf16 = Spec<DType::kBFloat16, PreFn::kSigmoid, true, route_spec::kSpecGroupLanes,
+                        PostFn::kNormalize, true, 3>;
+      *launched = SpecTraits<F32>::matches(rp) || SpecTraits<Bf16>::matches(rp);
+      if (SpecTraits<F32>::matches(rp)) return launch_route_layout_small<Shape, F32>(rp, p, stream);
+      if (SpecTraits<Bf16>::matches(rp)) return launch_route_layout_small<Shape, Bf16>(rp, p, stream);
+    } else if constexpr (Shape::W == 32 && Shape::S == 4) {
+      using F32 = Spec<DType::kFloat32, PreFn::kNone, false, route_spec::kSpecGroupNone, PostFn::kSoftmax>;
+      using Bf16 = Spec<DType::kBFloat16, PreFn::kNone, false, route_spec::kSpecGroupNone, PostFn::kSoftmax>;
+      *launched = SpecTraits<F32>::matches(rp) || SpecTraits<Bf16>::matches(rp);
+      if (SpecTraits<F32>::matches(rp)) return launch_route_layout_small<Shape, F32>(rp, p, stream);
+      if (SpecTraits<Bf16>::matches(rp)) return launch_route_layout_small<Shape, Bf16>(rp, p, stream);
+    }
+    return Status::Ok();
+  });
+}
+
 }  // namespace
 
 std::size_t layout_workspace_bytes(const detail::LayoutArgs& shape) {
@@ -597,6 +661,9 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
   // Routing's own latency (4200-4600 cycles for deepseek-v3 at T = 1) and the layout's (3700-3900)
   // stay on the critical path either way; the second launch itself is mostly hidden by PDL (the
   // layout kernel is resident ~1.9 us before its wait releases).
+  bool launched = false;
+  SY_RETURN_IF_ERROR(try_route_layout_small(route_args, layout_args, stream, &launched));
+  if (launched) return Status::Ok();
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

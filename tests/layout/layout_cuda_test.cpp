@@ -941,40 +941,6 @@ TEST(LayoutCuda, RouteAndLayoutMatchesCpu) {
   }
 }
 
-// route_and_layout's one-launch kernel (route_layout_kernel.cuh: DeepSeek-V3 and Qwen3-Next, fp32 and
-// bf16 logits, T <= 16) against its two launches (SWITCHYARD_ROUTE_LAYOUT=two_launches) and the CPU, at
-// every T it serves and the first past it, with tile sizes 1, 7 and 128, local ranges (the idle
-// warps' fill of the rows and tiles) and bf16 weights.
-TEST(LayoutCuda, RouteAndLayoutOneLaunchMatchesCpu) {
-  SY_SKIP_WITHOUT_GPU();
-  const std::uint64_t seed = test_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 g(seed);
-  int i = 0;
-  for (const char* launches : {"one", "two_launches"}) {
-    const ScopedEnv env("SWITCHYARD_ROUTE_LAYOUT", launches);
-    SCOPED_TRACE(launches);
-    for (const char* name : {"deepseek-v3", "qwen3-next-80b"}) {
-      switchyard::ModelPreset preset;
-      ASSERT_TRUE(switchyard::find_preset(name, &preset).ok()) << name;
-      const int E = preset.routing.num_experts;
-      for (std::int64_t T = 1; T <= 17; ++T) {
-        Case c = preset_case(preset, T, (i % 3 == 0) ? 128 : (i % 3 == 1) ? 7 : 1);
-        c.ids64 = (i % 2) == 1;
-        if (i % 4 == 2) {  // expert parallelism: a strided local range
-          c.local = LocalKind::kRange;
-          c.start = 3;
-          c.count = E / 8;
-          c.stride = 5;
-        }
-        check_route_and_layout(preset, c, (i % 5) == 3, g, (i % 3 == 2) ? DType::kBFloat16 : DType::kFloat32);
-        ++i;
-        if (HasFailure()) return;
-      }
-    }
-  }
-}
-
 // Every preset (so every routing shape, specialisation and group rule) at small T, fp32 and bf16
 // logits, with odd tile sizes, int64 ids, bf16 weights and a strided local range mixed in.
 TEST(LayoutCuda, RouteAndLayoutAllPresets) {

@@ -12,9 +12,6 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
 #include "cuda/layout/one_launch_layout_kernel.cuh"
-#include "cuda/layout/route_layout_kernel.cuh"
-#include "cuda/routing/route_spec.cuh"
-#include "cuda/routing/route_warp.cuh"
 
 namespace switchyard::cuda {
 
@@ -547,67 +544,6 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   return launch_multi_kernel<Id>(p, stream);
 }
 
-// route_and_layout in one launch for T <= kFusedMaxTokens (route_layout_kernel.cuh), for the routing
-// configurations of the issue's route + layout targets: DeepSeek-V3 (sigmoid + fp32 bias, groups of
-// 32 experts on the lane path, normalize; 129-256 experts) and Qwen3-Next (none -> softmax; 385-512
-// experts), fp32 or bf16 logits. SWITCHYARD_ROUTE_LAYOUT=two_launches (environment, read per call)
-// keeps the routing kernel and the layout kernel (chained by PDL) instead: a testing and tuning knob.
-bool fused_route_layout_disabled() {
-  const char* v = std::getenv("SWITCHYARD_ROUTE_LAYOUT");
-  return v != nullptr && std::string(v) == "two_launches";
-}
-
-template <class Shape, class SpecT>
-Status launch_route_layout_small(const routing::RouteParams& rp, const LayoutParams& p, cudaStream_t stream) {
-  const long long rows = std::max<long long>(p.capacity_rows, p.num_picks);
-  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
-  LayoutParams q = with_block_slices(p, blocks);
-  q.rank_words = 0;  // the ballot ranking of the ITEMS = 1 form
-  const std::size_t smem = layout_detail::fused_smem_bytes(
-      p.num_local, routing::route_smem_bytes_per_warp<Shape, true>(rp), static_cast<int>(rp.num_tokens));
-  return launch<layout_detail::route_layout_small_kernel<Shape, SpecT, layout_detail::kKeyBitsSmall>>(
-      "route_and_layout: route_layout_small_kernel", dim3(static_cast<unsigned>(blocks)),
-      dim3(layout_detail::kOneThreads), smem, stream, rp, q);
-}
-
-// Runs route_and_layout as one launch where route_layout_small_kernel serves the call (*launched =
-// true); otherwise launches nothing.
-Status try_route_layout_small(const detail::RouteArgs& ra, const detail::LayoutArgs& la, cudaStream_t stream,
-                              bool* launched) {
-  *launched = false;
-  const std::int64_t T = ra.num_tokens;
-  const int K = ra.config.top_k;
-  if (fused_route_layout_disabled() || forced_path() != ForcedPath::kNone) return Status::Ok();
-  if (T < 1 || T > layout_detail::kFusedMaxTokens || T * K > layout_detail::kFusedMaxPicks ||
-      K < routing::dev::kPackedMinK)
-    return Status::Ok();
-  const LayoutParams p = make_params(la);
-  if (!one_block_fits(p) || layout_detail::key_bits_bound(p.key_bits) != layout_detail::kKeyBitsSmall)
-    return Status::Ok();
-  const routing::RouteParams rp = routing::make_route_params(ra);
-  using route_spec::Spec;
-  using route_spec::SpecTraits;
-  return routing::dispatch_route_shape(ra.config.num_experts, T, [&](auto shape) -> Status {
-    using Shape = decltype(shape);
-    if constexpr (Shape::W == 32 && Shape::S == 2) {
-      using F32 = Spec<DType::kFloat32, PreFn::kSigmoid, true, route_spec::kSpecGroupLanes,
-                       PostFn::kNormalize, true, 3>;
-      using Bf16 = Spec<DType::kBFloat16, PreFn::kSigmoid, true, route_spec::kSpecGroupLanes,
-                        PostFn::kNormalize, true, 3>;
-      *launched = SpecTraits<F32>::matches(rp) || SpecTraits<Bf16>::matches(rp);
-      if (SpecTraits<F32>::matches(rp)) return launch_route_layout_small<Shape, F32>(rp, p, stream);
-      if (SpecTraits<Bf16>::matches(rp)) return launch_route_layout_small<Shape, Bf16>(rp, p, stream);
-    } else if constexpr (Shape::W == 32 && Shape::S == 4) {
-      using F32 = Spec<DType::kFloat32, PreFn::kNone, false, route_spec::kSpecGroupNone, PostFn::kSoftmax>;
-      using Bf16 = Spec<DType::kBFloat16, PreFn::kNone, false, route_spec::kSpecGroupNone, PostFn::kSoftmax>;
-      *launched = SpecTraits<F32>::matches(rp) || SpecTraits<Bf16>::matches(rp);
-      if (SpecTraits<F32>::matches(rp)) return launch_route_layout_small<Shape, F32>(rp, p, stream);
-      if (SpecTraits<Bf16>::matches(rp)) return launch_route_layout_small<Shape, Bf16>(rp, p, stream);
-    }
-    return Status::Ok();
-  });
-}
-
 }  // namespace
 
 std::size_t layout_workspace_bytes(const detail::LayoutArgs& shape) {
@@ -639,7 +575,7 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
   // A layout the backend cannot do fails before routing writes anything.
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
   // The routing kernel, then the layout kernels, chained by programmatic dependent launch. One
-  // launch was tried four times and measured slower (or no faster) on the H200 (deepseek-v3,
+  // launch was tried five times and measured slower (or no faster) on the H200 (deepseek-v3,
   // fp32 logits, us at T = 1 / 16 / 256, against these two launches at the time):
   //  * every block routing all rows, then a lean layout (up to 6aaec95): 8.4 / 10.2 / - (7.0 / 7.4);
   //  * one cluster of up to 16 blocks, each routing its own rows (a warp per row, route_warp with
@@ -658,12 +594,13 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
   //    qwen3-next 4.72 / 6.22 (4.40 / 5.38). A clock64 timeline at T = 1: the fused kernel's
   //    layout phase took as long as the layout kernel (~3700-3900 cycles), the slice fill sat in
   //    front of the routing (~800), and at T = 16 one SM routes all 16 rows.
+  //  * the same with the idle warps filling the rows and tiles while the T routing warps work, on the
+  //    layout kernel of session 15 (85dc74b, session 16; branch exp/fused-route-layout-s16): T = 1 /
+  //    2 / 4 / 8 / 16 4.18 / 4.14 / 4.15 / 4.54 / 5.30 (4.03 / 4.27 / 4.26 / 4.41 / 4.53); qwen3-next
+  //    4.08 / 4.09 / 3.89 / 4.65 / 6.06 (4.28 / 4.30 / 4.10 / 4.66 / 5.50).
   // Routing's own latency (4200-4600 cycles for deepseek-v3 at T = 1) and the layout's (3700-3900)
   // stay on the critical path either way; the second launch itself is mostly hidden by PDL (the
   // layout kernel is resident ~1.9 us before its wait releases).
-  bool launched = false;
-  SY_RETURN_IF_ERROR(try_route_layout_small(route_args, layout_args, stream, &launched));
-  if (launched) return Status::Ok();
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

@@ -263,34 +263,10 @@ __device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> ke
   return within;
 }
 
-// The one-block form's slices of this block: rows [r0, r1) and tiles [t0, t1).
-__device__ __forceinline__ void block_slices(const LayoutParams& p, int& r0, int& r1, int& t0, int& t1) {
-  const int block = static_cast<int>(blockIdx.x);
-  slice(p.capacity_rows, block, p.rows_per_block, r0, r1);
-  slice(p.capacity_tiles, block, p.tiles_per_block, t0, t1);
-}
-// The one-block form's first writes into those slices: the sentinels T*K and T in the rows, -1 and
-// t*M in the tiles, by `threads` threads numbered from `tid`. (one_launch_layout writes the same
-// values inline: through this helper its one-block kernels compiled to different code.)
-__device__ __forceinline__ void fill_one_block_slices(const LayoutParams& p, int r0, int r1, int t0, int t1,
-                                                      int tid, int threads) {
-  for (int r = r0 + tid; r < r1; r += threads) {
-    p.permuted_to_expanded[r] = p.num_picks;
-    p.permuted_to_token[r] = p.num_tokens;
-  }
-  for (int t = t0 + tid; t < t1; t += threads) {
-    p.tile_expert[t] = -1;
-    p.tile_row_end[t] = static_cast<int>(static_cast<long long>(t) * p.tile_size);
-  }
-}
-
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
 // cluster of CB <= kMaxClusterBlocks blocks, or the grid form's cooperative grid of CB blocks).
-// kPrefilled (one-block form): the caller has already filled this block's slices of the rows and
-// tiles with the "not a real row / tile" values (fill_one_block_slices; the fused route + layout
-// kernel does it while it routes), and a __syncthreads separates that from this call.
-template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps, bool kPrefilled = false>
+template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps>
 __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
   constexpr bool kCluster = CB > 0;
   const int L = p.num_local;
@@ -361,7 +337,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   int r0, r1, t0, t1;
   slice(p.capacity_rows, block, p.rows_per_block, r0, r1);
   slice(p.capacity_tiles, block, p.tiles_per_block, t0, t1);
-  if constexpr (!kCluster && !kPrefilled) {
+  if constexpr (!kCluster) {
     for (int r = r0 + tid; r < r1; r += kOneThreads) {
       p.permuted_to_expanded[r] = pad_expanded;
       p.permuted_to_token[r] = pad_token;

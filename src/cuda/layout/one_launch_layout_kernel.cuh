@@ -334,8 +334,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   const int pad_expanded = N;
   const int pad_token = p.num_tokens;
   const int M = p.tile_size;
-  int r0, r1, t0, t1;
-  slice(p.capacity_rows, block, p.rows_per_block, r0, r1);
+  int r0 = 0, r1 = 0, t0, t1;  // rows [r0, r1): the one-block form's slice (the cluster form has none)
+  if constexpr (!kCluster) slice(p.capacity_rows, block, p.rows_per_block, r0, r1);
   slice(p.capacity_tiles, block, p.tiles_per_block, t0, t1);
   if constexpr (!kCluster) {
     for (int r = r0 + tid; r < r1; r += kOneThreads) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "cuda/backend.h"
@@ -196,16 +197,24 @@ Status launch_route_for(const RouteParams& p, cudaStream_t stream) {
   }
 }
 
-// The first of the kernels SpecT, Rest... whose Spec matches p (the last one, SpecGeneric, always
-// does); kWide: the wide-row kernels.
-template <class Shape, bool kWide, class SpecT, class... Rest>
+// Launches the first of the kernels Specs... whose Spec matches p into *status and returns true;
+// false (nothing launched) when none matches. kWide: the wide-row kernels.
+template <class Shape, bool kWide, class... Specs>
+bool launch_first_match(const RouteParams& p, cudaStream_t stream, Status* status) {
+  return (
+      (SpecTraits<Specs>::matches(p) && (*status = launch_route_for<Shape, Specs, kWide>(p, stream), true)) ||
+      ...);
+}
+
+// The first of the kernels Specs... whose Spec matches p; the last one is SpecGeneric, which always
+// does.
+template <class Shape, bool kWide, class... Specs>
 Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
-  if constexpr (sizeof...(Rest) == 0) {
-    return launch_route_for<Shape, SpecT, kWide>(p, stream);
-  } else {
-    if (SpecTraits<SpecT>::matches(p)) return launch_route_for<Shape, SpecT, kWide>(p, stream);
-    return launch_route_spec<Shape, kWide, Rest...>(p, stream);
-  }
+  static_assert(std::is_same_v<std::tuple_element_t<sizeof...(Specs) - 1, std::tuple<Specs...>>, SpecGeneric>,
+                "the generic kernel comes last");
+  Status status = Status::Ok();
+  launch_first_match<Shape, kWide, Specs...>(p, stream, &status);
+  return status;
 }
 
 // The specialised configurations (model families of DESIGN.md section 2), for fp32 and bf16
@@ -283,9 +292,9 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
               Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
           using SoftmaxF32 = Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
           using SoftmaxBf16 = Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
-          if (SpecTraits<SigmoidBf16>::matches(p)) return launch_route<Shape, SigmoidBf16>(p, stream);
-          if (SpecTraits<SoftmaxF32>::matches(p)) return launch_route<Shape, SoftmaxF32>(p, stream);
-          if (SpecTraits<SoftmaxBf16>::matches(p)) return launch_route<Shape, SoftmaxBf16>(p, stream);
+          Status status;
+          if (launch_first_match<Shape, false, SigmoidBf16, SoftmaxF32, SoftmaxBf16>(p, stream, &status))
+            return status;
         }
       }
       return launch_route_spec<

@@ -230,6 +230,18 @@ Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
 // wave of 512 blocks depends so much on the register count is not understood.
 // Past 4 stripes (513-1024 experts) only rows with a group limit reach these kernels
 // (launch_route_shape): sigmoid + bias -> normalize on either group path.
+// The kernels up to 4 stripes (E <= 512), after First... (checked first).
+template <class Shape, DType kDtype, class... First>
+Status launch_route_up_to_512(const RouteParams& p, cudaStream_t stream) {
+  return launch_route_spec<
+      Shape, false, First..., Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
+      Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
+      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
+      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
+      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
+      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
+}
+
 template <class Shape, DType kDtype>
 Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::S > 4) {
@@ -237,25 +249,13 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
         Shape, false, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
         Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
   } else if constexpr (Shape::S == 2) {
-    // 129 <= E <= 256: DeepSeek-V3's group limit (groups of 32 experts, shift 3) also with the
-    // shift fixed (route_warp's kGroupShift: butterflies unrolled, pair ranks).
-    return launch_route_spec<
-        Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
-        Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true, 3>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
+    // 129 <= E <= 256: DeepSeek-V3's group limit (groups of 32 experts, shift 3) with the shift fixed
+    // (route_warp's kGroupShift: butterflies unrolled, pair ranks), early bias first.
+    return launch_route_up_to_512<
+        Shape, kDtype, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true, 3>,
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>>(p, stream);
   } else {
-    return launch_route_spec<
-        Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
-        Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
+    return launch_route_up_to_512<Shape, kDtype>(p, stream);
   }
 }
 

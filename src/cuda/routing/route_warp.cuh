@@ -777,7 +777,7 @@ __device__ __forceinline__ void group_limit_chunks(const RouteParams& p, std::ui
 // kShift), which unrolls the butterflies and, where a stripe's groups are few enough
 // (kPairRanks), ranks the groups by pairs (below); 0: p.group_shift at run time.
 template <class Shape, int kShift>
-inline constexpr bool kPairRanks = kShift > 0 && Shape::S*(32 >> kShift) <= (1 << kShift);
+inline constexpr bool kPairRanks = kShift > 0 && (32 >> kShift) * Shape::S <= (1 << kShift);
 
 template <class Shape, int kShift = 0>
 __device__ __forceinline__ void group_limit_lanes(const RouteParams& p, std::uint32_t (&key)[Shape::kValues],

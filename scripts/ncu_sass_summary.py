@@ -25,6 +25,13 @@ import os
 import re
 
 
+def read_rows(path):
+    """The rows of an ncu source-page CSV (.csv or .csv.gz)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return list(csv.reader(f))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output (.csv or .csv.gz)")
@@ -36,12 +43,10 @@ def main():
                     help="with --source: also per function of these files (FILE or FILE=PROFILED_NAME)")
     ap.add_argument("--top", type=int, default=40, help="with --source: lines shown")
     a = ap.parse_args()
+    rows = read_rows(a.csv)
     if a.source:
-        source_summary(a)
+        source_summary(a, rows)
         return
-    opener = gzip.open if a.csv.endswith(".gz") else open
-    with opener(a.csv, "rt") as f:
-        rows = list(csv.reader(f))
     header = next(i for i, r in enumerate(rows) if "Instructions Executed" in r)
     cols = rows[header]
     n_col, src_col = cols.index("Instructions Executed"), cols.index("Source")
@@ -80,10 +85,7 @@ def function_starts(path):
     return starts
 
 
-def source_summary(a):
-    opener = gzip.open if a.csv.endswith(".gz") else open
-    with opener(a.csv, "rt") as f:
-        rows = list(csv.reader(f))
+def source_summary(a, rows):
     per_line, text, cur_file, n_col = collections.Counter(), {}, "?", None
     for r in rows:
         if len(r) == 2 and r[0] == "File Path":

@@ -42,6 +42,12 @@ struct LayoutConfig {
   int num_experts = 0;  // E, global expert count, >= 1
   LocalExperts local;   // L = local.count (or E for LocalExperts::all())
   int tile_size = 1;    // M >= 1, any value
+  // CUDA backend: true asks for a layout in which no block waits for another block (see
+  // layout() below): the call then makes progress on however few SMs are free, beside kernels
+  // on other streams that hold SMs until later work on this stream has run (expert-parallel
+  // communication kernels, persistent kernels). Same output; slower from 4097 picks to a few
+  // hundred thousand (bench/results/README.md). The CPU backend ignores it.
+  bool independent_blocks = false;
 
   int num_local() const { return local.count < 0 ? num_experts : local.count; }
 };
@@ -95,9 +101,10 @@ Status layout_workspace_size(const LayoutConfig& config, std::int64_t num_tokens
 // T*K must be below 2^31. On any error nothing is written.
 // CUDA: from 4097 picks to a few hundred thousand the call is one launch whose blocks wait for
 // each other (a cluster of 16 blocks, or a cooperative grid of 32 to 128 blocks, one per SM), so
-// it starts once that many SMs are free. A kernel on another stream that holds SMs until some
-// later work on this stream has run can therefore keep it waiting; SWITCHYARD_LAYOUT_PATH=chunked
-// (environment) selects the multi-launch pipeline, whose blocks never wait for each other.
+// it completes only once that many SMs are free at once. A kernel on another stream that holds
+// SMs until some later work on this stream has run can therefore keep it waiting for ever;
+// config.independent_blocks = true selects forms whose blocks never wait for each other (the
+// one-block kernel up to 4096 picks, else the multi-launch pipeline).
 Status layout(const LayoutConfig& config, const TensorView& topk_ids, const Layout& out,
               void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 

@@ -136,8 +136,9 @@ NB_MODULE(_ext, m) {
       .def(
           "__init__",
           [](LayoutConfig* c, int num_experts, int tile_size, int local_start, int local_count,
-             int local_stride, const TensorView& expert_map) {
+             int local_stride, const TensorView& expert_map, bool independent_blocks) {
             new (c) LayoutConfig();
+            c->independent_blocks = independent_blocks;
             c->num_experts = num_experts;
             c->tile_size = tile_size;
             c->local.start = local_start;
@@ -145,8 +146,10 @@ NB_MODULE(_ext, m) {
             c->local.stride = local_stride;
             c->local.expert_map = expert_map;
           },
-          "num_experts"_a, "tile_size"_a, "local_start"_a, "local_count"_a, "local_stride"_a, "expert_map"_a)
-      .def_prop_ro("num_local", &LayoutConfig::num_local);
+          "num_experts"_a, "tile_size"_a, "local_start"_a, "local_count"_a, "local_stride"_a, "expert_map"_a,
+          "independent_blocks"_a = false)
+      .def_prop_ro("num_local", &LayoutConfig::num_local)
+      .def_ro("independent_blocks", &LayoutConfig::independent_blocks);
 
   nb::class_<Layout>(m, "Layout")
       .def(nb::init<>())

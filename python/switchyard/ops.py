@@ -135,9 +135,9 @@ def _layout_view(op: str, prefix: str, arrays: Sequence[Optional[Tensor]]) -> An
 
 
 def _layout_config(op: str, num_experts: int, tile_size: int, local_start: int, local_count: int,
-                   local_stride: int, expert_map: Optional[Tensor]) -> Any:
+                   local_stride: int, expert_map: Optional[Tensor], independent_blocks: bool) -> Any:
     return _ext.LayoutConfig(num_experts, tile_size, local_start, local_count, local_stride,
-                             _view(op, "local.expert_map", expert_map))
+                             _view(op, "local.expert_map", expert_map), bool(independent_blocks))
 
 
 def _rows_2d(t: Tensor) -> int:
@@ -249,19 +249,21 @@ _LAYOUT_MUTATED = ("counts", "offsets", "permuted_to_expanded", "permuted_to_tok
 def layout_out(topk_ids: Tensor, expert_map: Optional[Tensor], counts: Tensor, offsets: Tensor,
                permuted_to_expanded: Tensor, permuted_to_token: Tensor, expanded_to_permuted: Tensor,
                tile_expert: Tensor, tile_row_end: Tensor, totals: Tensor, workspace: Tensor, num_experts: int,
-               tile_size: int, local_start: int, local_count: int, local_stride: int) -> None:
+               tile_size: int, local_start: int, local_count: int, local_stride: int,
+               independent_blocks: bool = False) -> None:
     """Layout of topk_ids into caller-owned int32 arrays (sized by max_permuted_rows /
     max_tiles) using a caller-owned uint8 workspace (layout_workspace_size bytes)."""
     _layout_impl(topk_ids, expert_map, counts, offsets, permuted_to_expanded, permuted_to_token, expanded_to_permuted,
                  tile_expert, tile_row_end, totals, workspace, num_experts, tile_size, local_start, local_count,
-                 local_stride)
+                 local_stride, independent_blocks)
 
 
 def _layout_impl(topk_ids, expert_map, counts, offsets, permuted_to_expanded, permuted_to_token,
                  expanded_to_permuted, tile_expert, tile_row_end, totals, workspace, num_experts, tile_size,
-                 local_start, local_count, local_stride) -> None:
+                 local_start, local_count, local_stride, independent_blocks) -> None:
     op = "layout"
-    config = _layout_config(op, num_experts, tile_size, local_start, local_count, local_stride, expert_map)
+    config = _layout_config(op, num_experts, tile_size, local_start, local_count, local_stride, expert_map,
+                            independent_blocks)
     out = _layout_view(op, "out.", (counts, offsets, permuted_to_expanded, permuted_to_token, expanded_to_permuted,
                                     tile_expert, tile_row_end, totals))
     ws, ws_bytes = _workspace_arg(op, workspace, topk_ids)
@@ -271,7 +273,7 @@ def _layout_impl(topk_ids, expert_map, counts, offsets, permuted_to_expanded, pe
 @layout_out.register_fake
 def _(topk_ids, expert_map, counts, offsets, permuted_to_expanded, permuted_to_token, expanded_to_permuted,
       tile_expert, tile_row_end, totals, workspace, num_experts, tile_size, local_start, local_count,
-      local_stride) -> None:
+      local_stride, independent_blocks=False) -> None:
     return None
 
 
@@ -280,19 +282,21 @@ _LayoutTuple = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Ten
 
 @torch.library.custom_op("switchyard::layout", mutates_args=())
 def _layout_functional(topk_ids: Tensor, expert_map: Optional[Tensor], num_experts: int, tile_size: int,
-                       local_start: int, local_count: int, local_stride: int) -> _LayoutTuple:
+                       local_start: int, local_count: int, local_stride: int,
+                       independent_blocks: bool = False) -> _LayoutTuple:
     num_tokens, top_k = _rows_2d(topk_ids), _cols_2d(topk_ids)
     arrays = _empty_layout_arrays(num_tokens, top_k, _num_local(num_experts, local_count), tile_size,
                                   topk_ids.device)
     local = _local_from_args(local_start, local_count, local_stride, expert_map)
     workspace = _workspace_for((num_tokens, top_k), num_experts, tile_size, local, topk_ids.device)
     _layout_impl(topk_ids, expert_map, *arrays, workspace, num_experts, tile_size, local_start, local_count,
-               local_stride)
+                 local_stride, independent_blocks)
     return tuple(arrays)  # type: ignore[return-value]
 
 
 @_layout_functional.register_fake
-def _(topk_ids, expert_map, num_experts, tile_size, local_start, local_count, local_stride):
+def _(topk_ids, expert_map, num_experts, tile_size, local_start, local_count, local_stride,
+      independent_blocks=False):
     return tuple(_empty_layout_arrays(_rows_2d(topk_ids), _cols_2d(topk_ids), _num_local(num_experts, local_count),
                                       tile_size, topk_ids.device))
 
@@ -309,21 +313,22 @@ def route_and_layout_out(logits: Tensor, bias: Optional[Tensor], topk_ids: Tenso
                          tile_expert: Tensor, tile_row_end: Tensor, totals: Tensor, workspace: Tensor,
                          num_experts: int, top_k: int, pre: int, post: int, group_rule: int, n_group: int,
                          topk_group: int, scale: float, tile_size: int, local_start: int, local_count: int,
-                         local_stride: int) -> None:
+                         local_stride: int, independent_blocks: bool = False) -> None:
     """route_out then layout_out of the routed ids, in as few launches as the backend can."""
     _route_and_layout_impl(logits, bias, topk_ids, topk_weights, expert_map, counts, offsets, permuted_to_expanded,
                            permuted_to_token, expanded_to_permuted, tile_expert, tile_row_end, totals, workspace,
                            num_experts, top_k, pre, post, group_rule, n_group, topk_group, scale, tile_size,
-                           local_start, local_count, local_stride)
+                           local_start, local_count, local_stride, independent_blocks)
 
 
 def _route_and_layout_impl(logits, bias, topk_ids, topk_weights, expert_map, counts, offsets, permuted_to_expanded,
                            permuted_to_token, expanded_to_permuted, tile_expert, tile_row_end, totals, workspace,
                            num_experts, top_k, pre, post, group_rule, n_group, topk_group, scale, tile_size,
-                           local_start, local_count, local_stride) -> None:
+                           local_start, local_count, local_stride, independent_blocks) -> None:
     op = "route_and_layout"
     routing = _routing(num_experts, top_k, pre, post, group_rule, n_group, topk_group, scale)
-    config = _layout_config(op, num_experts, tile_size, local_start, local_count, local_stride, expert_map)
+    config = _layout_config(op, num_experts, tile_size, local_start, local_count, local_stride, expert_map,
+                            independent_blocks)
     out = _layout_view(op, "out.", (counts, offsets, permuted_to_expanded, permuted_to_token, expanded_to_permuted,
                                     tile_expert, tile_row_end, totals))
     ws, ws_bytes = _workspace_arg(op, workspace, logits)
@@ -334,7 +339,8 @@ def _route_and_layout_impl(logits, bias, topk_ids, topk_weights, expert_map, cou
 @route_and_layout_out.register_fake
 def _(logits, bias, topk_ids, topk_weights, expert_map, counts, offsets, permuted_to_expanded, permuted_to_token,
       expanded_to_permuted, tile_expert, tile_row_end, totals, workspace, num_experts, top_k, pre, post,
-      group_rule, n_group, topk_group, scale, tile_size, local_start, local_count, local_stride) -> None:
+      group_rule, n_group, topk_group, scale, tile_size, local_start, local_count, local_stride,
+      independent_blocks=False) -> None:
     return None
 
 
@@ -346,7 +352,7 @@ def _route_and_layout_functional(logits: Tensor, bias: Optional[Tensor], expert_
                                  num_experts: int, top_k: int, pre: int, post: int, group_rule: int, n_group: int,
                                  topk_group: int, scale: float, tile_size: int, local_start: int,
                                  local_count: int, local_stride: int, ids_dtype: torch.dtype,
-                                 weights_dtype: torch.dtype) -> _RouteLayoutTuple:
+                                 weights_dtype: torch.dtype, independent_blocks: bool = False) -> _RouteLayoutTuple:
     num_tokens, device = _rows_2d(logits), logits.device
     ids = torch.empty((num_tokens, top_k), dtype=ids_dtype, device=device)
     weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=device)
@@ -354,14 +360,14 @@ def _route_and_layout_functional(logits: Tensor, bias: Optional[Tensor], expert_
     local = _local_from_args(local_start, local_count, local_stride, expert_map)
     workspace = _workspace_for((num_tokens, top_k), num_experts, tile_size, local, device)
     _route_and_layout_impl(logits, bias, ids, weights, expert_map, *arrays, workspace, num_experts, top_k, pre, post,
-                         group_rule, n_group, topk_group, scale, tile_size, local_start, local_count,
-                         local_stride)
+                           group_rule, n_group, topk_group, scale, tile_size, local_start, local_count,
+                           local_stride, independent_blocks)
     return (ids, weights, *arrays)  # type: ignore[return-value]
 
 
 @_route_and_layout_functional.register_fake
 def _(logits, bias, expert_map, num_experts, top_k, pre, post, group_rule, n_group, topk_group, scale, tile_size,
-      local_start, local_count, local_stride, ids_dtype, weights_dtype):
+      local_start, local_count, local_stride, ids_dtype, weights_dtype, independent_blocks=False):
     num_tokens = _rows_2d(logits)
     ids = logits.new_empty((num_tokens, top_k), dtype=ids_dtype)
     weights = logits.new_empty((num_tokens, top_k), dtype=weights_dtype)
@@ -576,23 +582,26 @@ def _raise_if_dropped(op: str, result: Layout) -> None:
 
 
 def layout(topk_ids: Tensor, num_experts: int, tile_size: int = 1, local: Any = None, *,
-           out: Optional[Layout] = None, workspace: Optional[Tensor] = None, checked: bool = False) -> Layout:
+           out: Optional[Layout] = None, workspace: Optional[Tensor] = None, checked: bool = False,
+           independent_blocks: bool = False) -> Layout:
     """Lays topk_ids [T,K] (int32/int64) out expert by expert, each expert's rows padded to a
     multiple of tile_size. local: None (all experts), LocalExperts, a range of global experts
     or (start, count[, stride]). out: a Layout from empty_layout to fill (CUDA graphs);
     workspace: uint8 tensor of layout_workspace_size bytes (allocated when None).
-    checked=True synchronizes and raises ValueError when ids outside [0, E) were dropped."""
+    checked=True synchronizes and raises ValueError when ids outside [0, E) were dropped.
+    independent_blocks=True (CUDA): no block of the call waits for another, so it completes
+    beside kernels that hold SMs (expert-parallel communication); slower from 4097 picks on."""
     _check_tensor("layout", "topk_ids", topk_ids)
     start, count, stride, expert_map = _local_args(local)
     if out is None:
         result = Layout(*torch.ops.switchyard.layout(topk_ids, expert_map, num_experts, tile_size, start, count,
-                                                     stride))
+                                                     stride, independent_blocks))
     else:
         if workspace is None:
             workspace = _workspace_for((_rows_2d(topk_ids), _cols_2d(topk_ids)), num_experts, tile_size,
                                        resolve_local(local), topk_ids.device)
         torch.ops.switchyard.layout_out(topk_ids, expert_map, *out, workspace, num_experts, tile_size, start, count,
-                                        stride)
+                                        stride, independent_blocks)
         result = Layout(*out)
     if checked:
         _raise_if_dropped("layout", result)
@@ -603,9 +612,11 @@ def route_and_layout(logits: Tensor, config: Union[RoutingConfig, str], bias: Op
                      tile_size: int = 1, local: Any = None, ids_dtype: torch.dtype = torch.int32,
                      weights_dtype: torch.dtype = torch.float32, *,
                      out: Optional[Tuple[Tensor, Tensor, Layout]] = None,
-                     workspace: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Layout]:
+                     workspace: Optional[Tensor] = None,
+                     independent_blocks: bool = False) -> Tuple[Tensor, Tensor, Layout]:
     """route then layout in one call (fewer launches): returns (topk_ids, topk_weights, Layout).
-    out=(topk_ids, topk_weights, Layout) fills caller-owned buffers."""
+    out=(topk_ids, topk_weights, Layout) fills caller-owned buffers. independent_blocks: as in
+    layout()."""
     cfg = resolve_routing(config, "route_and_layout")
     _check_tensor("route_and_layout", "logits", logits)
     start, count, stride, expert_map = _local_args(local)
@@ -613,14 +624,14 @@ def route_and_layout(logits: Tensor, config: Union[RoutingConfig, str], bias: Op
         _check_dtype("route_and_layout", "ids_dtype", ids_dtype, (torch.int32, torch.int64))
         _check_dtype("route_and_layout", "weights_dtype", weights_dtype, (torch.float32, torch.bfloat16))
         r = torch.ops.switchyard.route_and_layout(logits, bias, expert_map, *cfg._op_args, tile_size, start, count,
-                                                  stride, ids_dtype, weights_dtype)
+                                                  stride, ids_dtype, weights_dtype, independent_blocks)
         return r[0], r[1], Layout(*r[2:])
     topk_ids, topk_weights, lay = out
     if workspace is None:
         workspace = _workspace_for((_rows_2d(logits), cfg.top_k), cfg.num_experts, tile_size, resolve_local(local),
                                    logits.device)
     torch.ops.switchyard.route_and_layout_out(logits, bias, topk_ids, topk_weights, expert_map, *lay, workspace,
-                                              *cfg._op_args, tile_size, start, count, stride)
+                                              *cfg._op_args, tile_size, start, count, stride, independent_blocks)
     return topk_ids, topk_weights, Layout(*lay)
 
 

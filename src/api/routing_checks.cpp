@@ -156,6 +156,7 @@ Status check_layout_args(const ArgChecker& check, const LayoutConfig& config, co
   args->num_experts = config.num_experts;
   args->num_local = L;
   args->tile_size = M;
+  args->independent_blocks = config.independent_blocks;
   args->local_start = config.local.count < 0 ? 0 : config.local.start;
   args->local_stride = config.local.count < 0 ? 1 : config.local.stride;
   args->expert_map = config.local.is_map() ? static_cast<const std::int32_t*>(config.local.expert_map.data) : nullptr;

@@ -29,6 +29,7 @@ struct LayoutArgs {
   int num_experts = 0;
   int num_local = 0;
   int tile_size = 1;
+  bool independent_blocks = false;        // LayoutConfig::independent_blocks
   int local_start = 0;                    // range form
   int local_stride = 1;                   // range form
   const std::int32_t* expert_map = nullptr;  // map form when non-null, [E]

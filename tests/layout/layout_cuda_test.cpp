@@ -15,11 +15,13 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/cuda_test_util.h"
 #include "common/float_formats.h"
 #include "common/scoped_env.h"
+#include "common/sm_holder.h"
 #include "common/test_data.h"
 #include "switchyard/layout.h"
 #include "switchyard/routing.h"
@@ -79,6 +81,7 @@ struct Case {
   int stride = 1;        // range form
   bool invalid = false;  // mix -1 and ids outside [0, E) into the picks
   Duplicates duplicates = Duplicates::kNone;
+  bool independent_blocks = false;  // LayoutConfig::independent_blocks
 };
 
 std::string describe(const Case& c) {
@@ -100,6 +103,7 @@ std::string describe(const Case& c) {
      << (c.duplicates == Duplicates::kNone   ? "none"
          : c.duplicates == Duplicates::kMany ? "many"
                                              : "last");
+  if (c.independent_blocks) os << " independent_blocks";
   return os.str();
 }
 
@@ -210,6 +214,7 @@ LayoutConfig make_config(const Case& c, const void* expert_map, Device device) {
   LayoutConfig config;
   config.num_experts = c.E;
   config.tile_size = c.M;
+  config.independent_blocks = c.independent_blocks;
   switch (c.local) {
     case LocalKind::kAll:
       config.local = LocalExperts::all();
@@ -552,6 +557,76 @@ TEST(LayoutCuda, ForcedPathsMatchCpu) {
       }
     }
   }
+}
+
+// LayoutConfig::independent_blocks: the call completes while kernels on another stream hold all
+// SMs but a few until work queued after the layout on the layout's stream releases them (what
+// expert-parallel communication kernels do). Same output as the CPU backend. Control: with the
+// default forms, the 16-block cluster at N = 8192 cannot be resident on the free SMs, so the
+// holders time out before the layout ends (the setup does catch a layout whose blocks wait).
+struct HeldSmsRun {
+  bool holders_timed_out = false;
+};
+
+void layout_beside_held_sms(const Case& c, std::uint64_t seed, long long timeout_ns, HeldSmsRun* result) {
+  SCOPED_TRACE(describe(c) + " input seed " + std::to_string(seed));
+  int sms = 0;
+  SY_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  constexpr int kFreeSms = 6;  // fewer than any waiting form's blocks (8, 16, 32...)
+  ASSERT_GT(sms, kFreeSms);
+  const int holders = sms - kFreeSms;
+  const Inputs in = make_inputs(c, seed);
+  const HostLayout want = cpu_layout(c, in);
+  GpuLayoutRun gpu(c);
+  gpu.upload(in);
+  gpu.out.poison();
+  DeviceBuffer words(sizeof(sy_test::SmHolderWords));
+  auto* w = words.as<sy_test::SmHolderWords>();
+  SY_CUDA_OK(cudaMemset(w, 0, sizeof(sy_test::SmHolderWords)));
+  cudaStream_t hold = nullptr, work = nullptr;
+  SY_CUDA_OK(cudaStreamCreateWithFlags(&hold, cudaStreamNonBlocking));
+  SY_CUDA_OK(cudaStreamCreateWithFlags(&work, cudaStreamNonBlocking));
+  SY_CUDA_OK(cudaDeviceSynchronize());
+  SY_CUDA_OK(sy_test::launch_sm_holder(holders, w, timeout_ns, hold));
+  SY_CUDA_OK(sy_test::launch_wait_holders_started(w, holders, timeout_ns, work));
+  const Status s = gpu.run(work);
+  SY_CUDA_OK(sy_test::launch_sm_release(w, work));
+  SY_CUDA_OK(cudaDeviceSynchronize());
+  cudaStreamDestroy(hold);
+  cudaStreamDestroy(work);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  sy_test::SmHolderWords host{};
+  SY_CUDA_OK(cudaMemcpy(&host, w, sizeof(host), cudaMemcpyDeviceToHost));
+  ASSERT_EQ(host.started, holders) << "the holder blocks did not all become resident";
+  result->holders_timed_out = host.timed_out > 0;
+  expect_same_layout(want, gpu.out);
+}
+
+TEST(LayoutCuda, IndependentBlocksProgressBesideHeldSms) {
+  SY_SKIP_WITHOUT_GPU();
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  // One-block form; where the default is a 16-block cluster, a grid of 32 / 64 / 128 blocks; the
+  // chunked pipeline.
+  const std::tuple<std::int64_t, int, int> shapes[] = {{1, 256, 8},     {500, 256, 8},  {1024, 256, 8},
+                                                       {4096, 256, 8},  {8192, 256, 8}, {20000, 256, 8},
+                                                       {4097, 512, 10}, {65536, 256, 8}};
+  for (const auto& [T, E, K] : shapes) {
+    Case c = random_case(T, E, K, g);
+    c.independent_blocks = true;
+    HeldSmsRun r;
+    layout_beside_held_sms(c, g(), 10'000'000'000LL, &r);
+    if (HasFatalFailure()) return;
+    EXPECT_FALSE(r.holders_timed_out) << "the layout did not complete while the holders held their SMs";
+  }
+  Case control = random_case(1024, 256, 8, g);
+  control.independent_blocks = false;
+  HeldSmsRun r;
+  layout_beside_held_sms(control, g(), 500'000'000LL, &r);
+  if (HasFatalFailure()) return;
+  EXPECT_TRUE(r.holders_timed_out) << "control: a waiting layout form completed beside held SMs; the test's "
+                                      "setup no longer shows anything";
 }
 
 // Tokens with two picks of one expert, on every path: the one-launch kernels' bitmaps see the

@@ -241,6 +241,27 @@ def test_route_and_layout_equals_route_then_layout(preset, device):
     check_layout(lay3, ref.layout(ids.cpu(), E, 16, local_start=E // 4, local_count=E // 4))
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("num_tokens", [3, 1100])
+def test_independent_blocks_same_layout(num_tokens, device):
+    """independent_blocks=True changes only how the CUDA backend schedules the call (1100 tokens x
+    8 picks take a 16-block cluster by default, the multi-launch pipeline with the flag)."""
+    cfg = sy.presets["deepseek-v3"]
+    E, K = cfg.num_experts, cfg.top_k
+    ids = make_ids(num_tokens, K, E, seed=num_tokens, device=device)
+    lay = call_or_skip_unsupported(sy.layout, ids, E, 128, independent_blocks=True)
+    check_layout(lay, ref.layout(ids.cpu(), E, 128))
+    out = sy.Layout(*[poison_like(t) for t in sy.empty_layout(num_tokens, K, E, 128, device=device)])
+    check_layout(sy.layout(ids, E, 128, out=out, independent_blocks=True), ref.layout(ids.cpu(), E, 128))
+    logits = make_logits(num_tokens, E, torch.float32, seed=num_tokens, device=device)
+    bias = make_bias(cfg, num_tokens, device)
+    r_ids, r_w, r_lay = sy.route_and_layout(logits, cfg, bias, tile_size=128)
+    i_ids, i_w, i_lay = sy.route_and_layout(logits, cfg, bias, tile_size=128, independent_blocks=True)
+    assert torch.equal(i_ids, r_ids) and torch.equal(i_w, r_w)
+    for name in sy.Layout._fields:
+        assert torch.equal(getattr(i_lay, name), getattr(r_lay, name)), name
+
+
 # ----------------------------------------------------------------------------- gather / combine
 
 X_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]

@@ -49,7 +49,9 @@ using layout_detail::LayoutParams;
 // its 64-register cap and was slower.)
 // SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|grid32|grid64|grid128|chunked (environment,
 // read per call) forces a path where it fits the call: a tuning and testing knob, not needed for
-// correct results.
+// correct results. LayoutConfig::independent_blocks (per call) leaves only the one-block form and
+// the multi-launch pipeline (whose blocks never wait for each other); the knob's chunked still
+// applies then.
 constexpr long long kOneBlockMaxPicks = 4096;
 constexpr long long kPicksPerBlock = 1024;     // the one-launch forms' preferred chunk (above)
 constexpr long long kMaxPicksPerBlock = 2560;  // past it (and every form's CB), the chunked pipeline
@@ -504,6 +506,13 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   using Grid32 = std::integral_constant<int, 32>;
   using Grid64 = std::integral_constant<int, 64>;
   using Grid128 = std::integral_constant<int, 128>;
+  // Forms whose blocks never wait for each other, asked for per call (layout.h); the
+  // environment's forced path applies only among them then.
+  if (a.independent_blocks) {
+    const ForcedPath forced = forced_path();
+    if (forced != ForcedPath::kChunked && one_block_fits(p)) return launch_one_block<Id>(p, stream);
+    return launch_multi_kernel<Id>(p, stream);
+  }
   switch (forced_path()) {
     case ForcedPath::kOneBlock:
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);

@@ -104,7 +104,9 @@ Status layout_workspace_size(const LayoutConfig& config, std::int64_t num_tokens
 // it completes only once that many SMs are free at once. A kernel on another stream that holds
 // SMs until some later work on this stream has run can therefore keep it waiting for ever;
 // config.independent_blocks = true selects forms whose blocks never wait for each other (the
-// one-block kernel up to 4096 picks, else the multi-launch pipeline).
+// one-block kernel up to 4096 picks, else the multi-launch pipeline). Make a first call of each
+// shape before such kernels run: CUDA loads kernels lazily at their first launch, and that load
+// can wait for running kernels.
 Status layout(const LayoutConfig& config, const TensorView& topk_ids, const Layout& out,
               void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 

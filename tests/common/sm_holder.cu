@@ -1,11 +1,9 @@
+#include <cstddef>
+
 #include "common/sm_holder.h"
 
 namespace sy_test {
 namespace {
-
-// Most of an H100 / H200 SM's 227 KB of shared memory: no second holder block (nor a layout
-// block) fits beside one.
-constexpr int kHolderSmem = 200 * 1024;
 
 __device__ long long now_ns() {
   long long t;
@@ -41,10 +39,22 @@ __global__ void release_kernel(SmHolderWords* w) { atomicExch(&w->release, 1); }
 }  // namespace
 
 cudaError_t launch_sm_holder(int blocks, SmHolderWords* words, long long timeout_ns, cudaStream_t stream) {
-  cudaError_t err =
-      cudaFuncSetAttribute(sm_holder_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kHolderSmem);
+  // All the shared memory a block may have: no other block that uses shared memory (every layout
+  // kernel does) fits on a holder's SM.
+  int device = 0, smem = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(sm_holder_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  }
+  // CUDA loads kernels lazily, at their first launch, and such a load can wait for running
+  // kernels: load the two helpers now, before the holders run.
+  cudaFuncAttributes attributes{};
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, wait_started_kernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, release_kernel);
   if (err != cudaSuccess) return err;
-  sm_holder_kernel<<<blocks, 32, kHolderSmem, stream>>>(words, timeout_ns);
+  sm_holder_kernel<<<blocks, 32, static_cast<std::size_t>(smem), stream>>>(words, timeout_ns);
   return cudaGetLastError();
 }
 

@@ -13,8 +13,9 @@ struct SmHolderWords {
   int timed_out;  // holder blocks that gave up waiting (timeout_ns passed without a release)
 };
 
-// `blocks` blocks, one per SM (each takes most of an SM's shared memory), that spin until
-// words->release is set or timeout_ns pass.
+// `blocks` blocks, one per SM (each takes all the shared memory a block may have, so that no
+// block using shared memory fits beside it), that spin until words->release is set or
+// timeout_ns pass. The helpers below run on the SMs left free.
 cudaError_t launch_sm_holder(int blocks, SmHolderWords* words, long long timeout_ns, cudaStream_t stream);
 // One thread that spins until `count` holder blocks have started (or timeout_ns pass), so that
 // work queued behind it on `stream` finds the holders' SMs taken.

@@ -3,7 +3,9 @@
 //   layout from ids: E=256 K=8 and E=512 K=10, tile 128, uniform ids (and one Zipf set);
 //   route + layout:  deepseek-v3 and qwen3-next-80b presets, tile 128.
 // Prints a markdown table and writes JSON (argv[1], default bench_layout.json).
-//   bench_layout [out.json]
+//   bench_layout [out.json] [--independent-blocks]
+// --independent-blocks sets LayoutConfig::independent_blocks in every call (the forms whose blocks
+// never wait for each other).
 #include <cuda_runtime.h>
 #include <switchyard/switchyard.h>
 
@@ -132,6 +134,8 @@ struct DeviceLayout {
 // read the same bytes from L2 over and over.
 int input_sets(double bytes_per_set) { return bytes_per_set * 4 <= 40e6 ? 4 : 1; }
 
+bool g_independent_blocks = false;  // --independent-blocks
+
 Point bench_layout_from_ids(int E, int K, int M, std::int64_t T, bool zipf, double bandwidth,
                             std::mt19937_64& g) {
   Point pt;
@@ -143,6 +147,7 @@ Point bench_layout_from_ids(int E, int K, int M, std::int64_t T, bool zipf, doub
   LayoutConfig config;
   config.num_experts = E;
   config.tile_size = M;
+  config.independent_blocks = g_independent_blocks;
   DeviceLayout out(T, K, E, M);
   std::size_t ws_bytes = 0;
   if (!layout_workspace_size(config, T, K, Device::cuda(), &ws_bytes).ok()) {
@@ -182,6 +187,7 @@ Point bench_route_and_layout(const ModelPreset& preset, int M, std::int64_t T, d
   LayoutConfig config;
   config.num_experts = E;
   config.tile_size = M;
+  config.independent_blocks = g_independent_blocks;
   DeviceLayout out(T, K, E, M);
   std::size_t ws_bytes = 0;
   if (!layout_workspace_size(config, T, K, Device::cuda(), &ws_bytes).ok()) {
@@ -226,7 +232,18 @@ Point bench_route_and_layout(const ModelPreset& preset, int M, std::int64_t T, d
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string out_path = argc > 1 ? argv[1] : "bench_layout.json";
+  std::string out_path = "bench_layout.json";
+  for (int a = 1; a < argc; ++a) {
+    const std::string arg = argv[a];
+    if (arg == "--independent-blocks") {
+      g_independent_blocks = true;
+    } else if (!arg.empty() && arg[0] != '-') {
+      out_path = arg;
+    } else {
+      std::fprintf(stderr, "usage: bench_layout [out.json] [--independent-blocks]\n");
+      return 2;
+    }
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::fprintf(stderr, "bench_layout: no CUDA device\n");
@@ -258,8 +275,9 @@ int main(int argc, char** argv) {
       if (sy_bench::token_selected(T)) points.push_back(bench_route_and_layout(preset, 128, T, bandwidth, g));
   }
 
-  std::printf("# bench_layout on %s (commit %s), copy bandwidth %.2f TB/s\n\n", device.c_str(), SY_GIT_COMMIT,
-              bandwidth * 1e-12);
+  std::printf("# bench_layout on %s (commit %s), copy bandwidth %.2f TB/s%s\n\n", device.c_str(),
+              SY_GIT_COMMIT, bandwidth * 1e-12,
+              g_independent_blocks ? ", LayoutConfig::independent_blocks" : "");
   std::printf("| op | config | ids | T | median us | p10 us | p90 us | floor us | target us | met |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<std::string> items;
@@ -295,7 +313,8 @@ int main(int argc, char** argv) {
   root.str("benchmark", "bench_layout").str("device", device).str("date", sy_bench::utc_now());
   root.str("commit", SY_GIT_COMMIT).num("copy_bandwidth_bytes_per_s", bandwidth);
   root.str("method", "20 calls per CUDA graph, 200 replays, median per call (BENCHMARKING.md)");
-  root.str("repro", "bench_layout " + out_path);
+  root.boolean("independent_blocks", g_independent_blocks);
+  root.str("repro", "bench_layout " + out_path + (g_independent_blocks ? " --independent-blocks" : ""));
   root.raw("points", sy_bench::json_array(items));
   FILE* f = std::fopen(out_path.c_str(), "w");
   if (f == nullptr) {

@@ -446,8 +446,9 @@ void vary(Case& c, int i) {
   c.base_offset = (i % 11 == 4) ? 1 : (i % 11 == 7) ? 2 : 0;
 }
 
-// Some sweep points take T past 1024 (many blocks, rows spread over the grid); the kernel's
-// shape depends on E alone (route_warp.cuh), so this varies the launch geometry only.
+// Some sweep points take T past 1024 (many blocks, rows spread over the grid): the launch
+// geometry, and for 129-512 experts the candidate buffers' depth (3 up to kDeepBufferMaxTokens
+// rows, 2 past it; route_warp.cuh).
 std::int64_t large_t(int i, std::int64_t small) {
   return ((static_cast<unsigned>(i) * 2654435761u) >> 13) % 4 == 1 ? 1025 + (i % 13) : small;
 }
@@ -704,6 +705,53 @@ TEST(RoutingCuda, DryBuffers) {
         c.kind = Kind::kDryBuffers;
         c.logits_dtype = kLogitDtypes[i % 3];
         if (!check_varied(c, i)) return;
+      }
+    }
+  }
+}
+
+// Rows of 129-512 experts keep 3 candidates per lane up to kDeepBufferMaxTokens = 128 rows and 2
+// past it (route_warp.cuh): both sides of that boundary, with rows whose picks overflow a lane's
+// buffer (lane-heavy: the exact rounds take over), near ties, ties and special values, through
+// the specialised kernels (the presets' rules, DeepSeek-V3's group limit) and the generic one.
+TEST(RoutingCuda, BufferDepthByTokens) {
+  SY_SKIP_WITHOUT_GPU();
+  const Kind kinds[] = {Kind::kLaneHeavy, Kind::kNearTied, Kind::kTied, Kind::kSpecial, Kind::kNormal};
+  int i = 0;
+  for (int E : {129, 160, 256, 257, 384, 385, 512}) {
+    for (int K : {2, 3, 8, 10, 22, 32}) {
+      for (std::int64_t T : {1, 57, 128, 129}) {
+        Case c;
+        switch (i % 5) {
+          case 0:  // Kimi-K2, GLM-4.5
+            c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+            c.bias = true;
+            break;
+          case 1:  // Qwen3
+            c.config = make_config(E, K, PreFn::kNone, PostFn::kSoftmax);
+            break;
+          case 2:
+            c.config = make_config(E, K, PreFn::kSoftmax, PostFn::kNormalize);
+            break;
+          case 3:  // DeepSeek-V3 where 8 groups fit
+            c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+            c.bias = true;
+            if (E % 8 == 0 && K <= E / 2) {
+              c.config.group_rule = GroupRule::kTop2Sum;
+              c.config.n_group = 8;
+              c.config.topk_group = 4;
+              if (!switchyard::validate(c.config).ok()) c.config.group_rule = GroupRule::kNone;
+            }
+            break;
+          default:  // the generic kernel
+            c.config = make_config(E, K, static_cast<PreFn>((i / 5) % 4), static_cast<PostFn>((i / 20) % 4));
+            c.bias = (i / 5) % 2 == 1;
+            break;
+        }
+        c.T = T;
+        c.kind = kinds[(i / 2) % 5];
+        c.logits_dtype = kLogitDtypes[(i / 3) % 3];
+        if (!check_aligned(c, i)) return;
       }
     }
   }

@@ -97,6 +97,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -194,7 +195,8 @@ struct RoutedPicks {
   float weight[Shape::kSlots];
 };
 
-// Shapes. A shape entry serves E <= max_experts; the first entry that fits is used, for every T.
+// Shapes. A shape entry serves E <= max_experts and T <= max_tokens; the first entry that fits is
+// used.
 // Up to E = 32 a row is small and narrow segments let one shuffle serve 32 / W rows; past that a
 // row gets the whole warp (W = 32): each lane then holds only E / 32 values (8 for E = 256), so
 // the kernels need 40-64 registers and run at high occupancy, the segment reductions are single
@@ -202,29 +204,60 @@ struct RoutedPicks {
 // 64 <= E <= 576 at large T held 24-36 values per lane: ncu showed 105 registers, 25% occupancy
 // and a latency-bound kernel at E = 256, T = 65536.) Past E = 512 a lane's values no longer fit
 // in registers at a useful occupancy: without a group limit those rows take route_warp_wide.
+// Rows up to which whole-warp rows of 129-512 experts keep 3 candidates per lane instead of 2.
+// With D = 2 about 5-8% of the rows of deepseek-v3, kimi-k2 or qwen3-next (random logits) have a
+// lane holding 3 of the K picks; those rows leave the fast pass for the exact rounds (~2700
+// cycles more), and at small T the slowest row is the call's time: at T = 16 most calls have one,
+// at T = 128 nearly all. D = 3 makes such rows ~0.3%, but each insertion costs more, which
+// shows once the rows share the SMs. Measured on the H200 (us, same call, medians of 3 runs, D = 2
+// against 3 at every T; session 17): T = 16 / 128 deepseek-v3 fp32 2.55 / 2.97 against 2.21 /
+// 2.80, kimi-k2 2.52 / 3.16 against 2.28 / 3.03, softmax-e256-k8 2.00 / 2.48 against 1.78 / 1.86,
+// qwen3-next fp32 2.67 / 3.27 against 2.19 / 3.49, bf16 2.55 / 3.13 against 2.18 / 2.56; route +
+// layout qwen3-next T = 128 6.39 against 5.60, deepseek-v3 T = 16 4.74 against 4.24. From T = 256
+// on D = 3 was up to 9% slower (kimi-k2 fp32 T = 256 / 1024 / 65536 3.27 / 4.26 / 58.1 against
+// 3.54 / 4.54 / 60.9).
+inline constexpr std::int64_t kDeepBufferMaxTokens = 128;
+inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::max();
+
 struct ShapeEntry {
   int max_experts, w, s, d;
+  std::int64_t max_tokens;
 };
 // D = 4 = all 4 values of a lane up to E = 64: several of a row's picks in one lane are common
 // there, and a full buffer makes the top-K fast pass exact without the check. (With D = 2 the
 // fast pass made dbrx E=16 K=4 at T = 1 slower on the H200, 2.62 -> 3.16 us, mixtral 2.12 ->
 // 2.35: the exact rounds often ran after it.)
+// D = 3 past 512 experts (5 or more values per lane and buffer).
 inline constexpr ShapeEntry kShapeTable[] = {
-    {4, 1, 1, 4},     {8, 2, 1, 4},      {16, 4, 1, 4},     {32, 8, 1, 4},
-    {64, 16, 1, 4},   {128, 32, 1, 2},   {256, 32, 2, 2},   {384, 32, 3, 2},
-    {512, 32, 4, 2},  {640, 32, 5, 3},   {768, 32, 6, 3},   {896, 32, 7, 3},
-    {1024, 32, 8, 3}, {1536, 32, 12, 4}, {2048, 32, 16, 4}, {4096, 32, 32, 4},
+    {4, 1, 1, 4, kAnyTokens},
+    {8, 2, 1, 4, kAnyTokens},
+    {16, 4, 1, 4, kAnyTokens},
+    {32, 8, 1, 4, kAnyTokens},
+    {64, 16, 1, 4, kAnyTokens},
+    {128, 32, 1, 2, kAnyTokens},
+    {256, 32, 2, 3, kDeepBufferMaxTokens},
+    {256, 32, 2, 2, kAnyTokens},
+    {384, 32, 3, 3, kDeepBufferMaxTokens},
+    {384, 32, 3, 2, kAnyTokens},
+    {512, 32, 4, 3, kDeepBufferMaxTokens},
+    {512, 32, 4, 2, kAnyTokens},
+    {640, 32, 5, 3, kAnyTokens},
+    {768, 32, 6, 3, kAnyTokens},
+    {896, 32, 7, 3, kAnyTokens},
+    {1024, 32, 8, 3, kAnyTokens},
+    {1536, 32, 12, 4, kAnyTokens},
+    {2048, 32, 16, 4, kAnyTokens},
+    {4096, 32, 32, 4, kAnyTokens},
 };
 inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
 
 template <int I>
 using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>;
 
-// Index in kShapeTable for E (T is accepted for the interface; every T uses the same shape),
-// or -1 when E is past the table.
-inline int route_shape_index(int num_experts, std::int64_t /*num_tokens*/) {
+// Index in kShapeTable for E and T, or -1 when E is past the table.
+inline int route_shape_index(int num_experts, std::int64_t num_tokens) {
   for (int i = 0; i < kNumShapes; ++i)
-    if (num_experts <= kShapeTable[i].max_experts) return i;
+    if (num_experts <= kShapeTable[i].max_experts && num_tokens <= kShapeTable[i].max_tokens) return i;
   return -1;
 }
 

@@ -710,17 +710,19 @@ TEST(RoutingCuda, DryBuffers) {
   }
 }
 
-// Rows of 129-512 experts keep 3 candidates per lane up to kDeepBufferMaxTokens = 128 rows and 2
-// past it (route_warp.cuh): both sides of that boundary, with rows whose picks overflow a lane's
-// buffer (lane-heavy: the exact rounds take over), near ties, ties and special values, through
-// the specialised kernels (the presets' rules, DeepSeek-V3's group limit) and the generic one.
+// Rows of 65-128 / 129-512 experts keep 3 candidates per lane up to kDeepBufferMaxTokens128 = 4096
+// / kDeepBufferMaxTokens = 128 rows and 2 past them (route_warp.cuh): both sides of the boundary, with rows
+// whose picks overflow a lane's buffer (lane-heavy: the exact rounds take over), near ties, ties and special
+// values, through the specialised kernels (the presets' rules, DeepSeek-V3's group limit) and the generic
+// one.
 TEST(RoutingCuda, BufferDepthByTokens) {
   SY_SKIP_WITHOUT_GPU();
   const Kind kinds[] = {Kind::kLaneHeavy, Kind::kNearTied, Kind::kTied, Kind::kSpecial, Kind::kNormal};
   int i = 0;
-  for (int E : {129, 160, 256, 257, 384, 385, 512}) {
+  for (int E : {65, 128, 129, 160, 256, 257, 384, 385, 512}) {
     for (int K : {2, 3, 8, 10, 22, 32}) {
-      for (std::int64_t T : {1, 57, 128, 129}) {
+      const std::int64_t bound = E <= 128 ? 4096 : 128;  // rows served by the deep buffers
+      for (const std::int64_t T : {std::int64_t{1}, bound / 2 - 7, bound, bound + 1}) {
         Case c;
         switch (i % 5) {
           case 0:  // Kimi-K2, GLM-4.5

@@ -204,7 +204,8 @@ struct RoutedPicks {
 // 64 <= E <= 576 at large T held 24-36 values per lane: ncu showed 105 registers, 25% occupancy
 // and a latency-bound kernel at E = 256, T = 65536.) Past E = 512 a lane's values no longer fit
 // in registers at a useful occupancy: without a group limit those rows take route_warp_wide.
-// Rows up to which whole-warp rows of 129-512 experts keep 3 candidates per lane instead of 2.
+// Rows up to which whole-warp rows of 65-128 / 129-512 experts keep 3 candidates per lane instead
+// of 2.
 // With D = 2 about 5-8% of the rows of deepseek-v3, kimi-k2 or qwen3-next (random logits) have a
 // lane holding 3 of the K picks; those rows leave the fast pass for the exact rounds (~2700
 // cycles more), and at small T the slowest row is the call's time: at T = 16 most calls have one,
@@ -215,8 +216,12 @@ struct RoutedPicks {
 // qwen3-next fp32 2.67 / 3.27 against 2.19 / 3.49, bf16 2.55 / 3.13 against 2.18 / 2.56; route +
 // layout qwen3-next T = 128 6.39 against 5.60, deepseek-v3 T = 16 4.74 against 4.24. From T = 256
 // on D = 3 was up to 9% slower (kimi-k2 fp32 T = 256 / 1024 / 65536 3.27 / 4.26 / 58.1 against
-// 3.54 / 4.54 / 60.9).
+// 3.54 / 4.54 / 60.9). With 4 values per lane (65-128 experts) D = 3 paid up to T = 4096 (us, same
+// call, 3 runs): qwen3-235b fp32 T = 128 / 1024 / 4096 / 16384 / 65536 2.03 / 2.30 / 3.28 / 8.00 /
+// 25.0 against 1.66 / 1.86 / 3.04 / 8.17 / 26.5 (2% of its rows overflow a buffer of 2), gpt-oss-120b
+// (K = 4) T = 1024 1.80 against 1.63, llama4-maverick (K = 1) within -2% / +3%.
 inline constexpr std::int64_t kDeepBufferMaxTokens = 128;
+inline constexpr std::int64_t kDeepBufferMaxTokens128 = 4096;
 inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::max();
 
 struct ShapeEntry {
@@ -228,12 +233,14 @@ struct ShapeEntry {
 // fast pass made dbrx E=16 K=4 at T = 1 slower on the H200, 2.62 -> 3.16 us, mixtral 2.12 ->
 // 2.35: the exact rounds often ran after it.)
 // D = 3 past 512 experts (5 or more values per lane and buffer).
+// clang-format off
 inline constexpr ShapeEntry kShapeTable[] = {
     {4, 1, 1, 4, kAnyTokens},
     {8, 2, 1, 4, kAnyTokens},
     {16, 4, 1, 4, kAnyTokens},
     {32, 8, 1, 4, kAnyTokens},
     {64, 16, 1, 4, kAnyTokens},
+    {128, 32, 1, 3, kDeepBufferMaxTokens128},
     {128, 32, 1, 2, kAnyTokens},
     {256, 32, 2, 3, kDeepBufferMaxTokens},
     {256, 32, 2, 2, kAnyTokens},
@@ -249,6 +256,7 @@ inline constexpr ShapeEntry kShapeTable[] = {
     {2048, 32, 16, 4, kAnyTokens},
     {4096, 32, 32, 4, kAnyTokens},
 };
+// clang-format on
 inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
 
 template <int I>

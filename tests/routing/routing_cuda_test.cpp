@@ -710,8 +710,8 @@ TEST(RoutingCuda, DryBuffers) {
   }
 }
 
-// Rows of 65-128 / 129-512 experts keep 3 candidates per lane up to kDeepBufferMaxTokens128 = 4096
-// / kDeepBufferMaxTokens = 128 rows and 2 past them (route_warp.cuh): both sides of the boundary, with rows
+// Rows of 65-128 / 129-512 experts keep 3 candidates per lane up to 4096 / 128 rows (4096 with a
+// softmax pre function) and 2 past them (route_warp.cuh's kShapeTable): both sides of the bound, with rows
 // whose picks overflow a lane's buffer (lane-heavy: the exact rounds take over), near ties, ties and special
 // values, through the specialised kernels (the presets' rules, DeepSeek-V3's group limit) and the generic
 // one.
@@ -721,8 +721,7 @@ TEST(RoutingCuda, BufferDepthByTokens) {
   int i = 0;
   for (int E : {65, 128, 129, 160, 256, 257, 384, 385, 512}) {
     for (int K : {2, 3, 8, 10, 22, 32}) {
-      const std::int64_t bound = E <= 128 ? 4096 : 128;  // rows served by the deep buffers
-      for (const std::int64_t T : {std::int64_t{1}, bound / 2 - 7, bound, bound + 1}) {
+      for (int t = 0; t < 4; ++t) {
         Case c;
         switch (i % 5) {
           case 0:  // Kimi-K2, GLM-4.5
@@ -750,7 +749,10 @@ TEST(RoutingCuda, BufferDepthByTokens) {
             c.bias = (i / 5) % 2 == 1;
             break;
         }
-        c.T = T;
+        // Rows served by the deep buffers: 4096 for E <= 128 or a softmax pre function, else 128.
+        const std::int64_t bound = (E <= 128 || c.config.pre == PreFn::kSoftmax) ? 4096 : 128;
+        const std::int64_t ts[] = {1, bound / 2 - 7, bound, bound + 1};
+        c.T = ts[t];
         c.kind = kinds[(i / 2) % 5];
         c.logits_dtype = kLogitDtypes[(i / 3) % 3];
         if (!check_aligned(c, i)) return;

@@ -5,9 +5,10 @@
 // STABLE INTERFACE (other kernels call it; keep these signatures):
 //
 //   RouteParams make_route_params(const detail::RouteArgs& args);            // host
-//   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f);  // host
-//       calls f(Shape{}) with the RouteShape<W, S, D> for E and T (route_shape_index), returns
-//       its Status; Unsupported past kMaxGpuExperts.
+//   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f,
+//                               PreFn pre = PreFn::kNone);  // host
+//       calls f(Shape{}) with the RouteShape<W, S, D> for E, T and the pre function
+//       (route_shape_index), returns its Status; Unsupported past kMaxGpuExperts.
 //   std::size_t route_smem_bytes_per_warp<Shape, bool kPackedTopK = true>(const RouteParams& p);
 //       host: dynamic shared memory each warp of route_warp<Shape, ..., kPackedTopK> must own
 //       (group limits; the row's keys for the packed candidate buffers).
@@ -219,14 +220,19 @@ struct RoutedPicks {
 // 3.54 / 4.54 / 60.9). With 4 values per lane (65-128 experts) D = 3 paid up to T = 4096 (us, same
 // call, 3 runs): qwen3-235b fp32 T = 128 / 1024 / 4096 / 16384 / 65536 2.03 / 2.30 / 3.28 / 8.00 /
 // 25.0 against 1.66 / 1.86 / 3.04 / 8.17 / 26.5 (2% of its rows overflow a buffer of 2), gpt-oss-120b
-// (K = 4) T = 1024 1.80 against 1.63, llama4-maverick (K = 1) within -2% / +3%.
+// (K = 4) T = 1024 1.80 against 1.63, llama4-maverick (K = 1) within -2% / +3%. Rows with a softmax
+// pre function (a longer row before the selection) gained up to T = 4096 at 129-512 experts too:
+// softmax-e256-k8 fp32 T = 256 / 1024 / 4096 / 16384 2.54 / 2.86 / 5.07 / 12.39 against 2.00 / 2.39 /
+// 4.89 / 12.35, deepseek-v2 (E = 160, one run) 3.80 / 4.18 / 6.59 against 3.40 / 3.83 / 6.36.
 inline constexpr std::int64_t kDeepBufferMaxTokens = 128;
+inline constexpr std::int64_t kDeepBufferMaxTokensSoftmax = 4096;
 inline constexpr std::int64_t kDeepBufferMaxTokens128 = 4096;
 inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::max();
 
 struct ShapeEntry {
   int max_experts, w, s, d;
-  std::int64_t max_tokens;
+  std::int64_t max_tokens;          // rows served
+  std::int64_t max_tokens_softmax;  // rows served when the pre function is softmax
 };
 // D = 4 = all 4 values of a lane up to E = 64: several of a row's picks in one lane are common
 // there, and a full buffer makes the top-K fast pass exact without the check. (With D = 2 the
@@ -235,26 +241,26 @@ struct ShapeEntry {
 // D = 3 past 512 experts (5 or more values per lane and buffer).
 // clang-format off
 inline constexpr ShapeEntry kShapeTable[] = {
-    {4, 1, 1, 4, kAnyTokens},
-    {8, 2, 1, 4, kAnyTokens},
-    {16, 4, 1, 4, kAnyTokens},
-    {32, 8, 1, 4, kAnyTokens},
-    {64, 16, 1, 4, kAnyTokens},
-    {128, 32, 1, 3, kDeepBufferMaxTokens128},
-    {128, 32, 1, 2, kAnyTokens},
-    {256, 32, 2, 3, kDeepBufferMaxTokens},
-    {256, 32, 2, 2, kAnyTokens},
-    {384, 32, 3, 3, kDeepBufferMaxTokens},
-    {384, 32, 3, 2, kAnyTokens},
-    {512, 32, 4, 3, kDeepBufferMaxTokens},
-    {512, 32, 4, 2, kAnyTokens},
-    {640, 32, 5, 3, kAnyTokens},
-    {768, 32, 6, 3, kAnyTokens},
-    {896, 32, 7, 3, kAnyTokens},
-    {1024, 32, 8, 3, kAnyTokens},
-    {1536, 32, 12, 4, kAnyTokens},
-    {2048, 32, 16, 4, kAnyTokens},
-    {4096, 32, 32, 4, kAnyTokens},
+    {4, 1, 1, 4, kAnyTokens, kAnyTokens},
+    {8, 2, 1, 4, kAnyTokens, kAnyTokens},
+    {16, 4, 1, 4, kAnyTokens, kAnyTokens},
+    {32, 8, 1, 4, kAnyTokens, kAnyTokens},
+    {64, 16, 1, 4, kAnyTokens, kAnyTokens},
+    {128, 32, 1, 3, kDeepBufferMaxTokens128, kDeepBufferMaxTokens128},
+    {128, 32, 1, 2, kAnyTokens, kAnyTokens},
+    {256, 32, 2, 3, kDeepBufferMaxTokens, kDeepBufferMaxTokensSoftmax},
+    {256, 32, 2, 2, kAnyTokens, kAnyTokens},
+    {384, 32, 3, 3, kDeepBufferMaxTokens, kDeepBufferMaxTokensSoftmax},
+    {384, 32, 3, 2, kAnyTokens, kAnyTokens},
+    {512, 32, 4, 3, kDeepBufferMaxTokens, kDeepBufferMaxTokensSoftmax},
+    {512, 32, 4, 2, kAnyTokens, kAnyTokens},
+    {640, 32, 5, 3, kAnyTokens, kAnyTokens},
+    {768, 32, 6, 3, kAnyTokens, kAnyTokens},
+    {896, 32, 7, 3, kAnyTokens, kAnyTokens},
+    {1024, 32, 8, 3, kAnyTokens, kAnyTokens},
+    {1536, 32, 12, 4, kAnyTokens, kAnyTokens},
+    {2048, 32, 16, 4, kAnyTokens, kAnyTokens},
+    {4096, 32, 32, 4, kAnyTokens, kAnyTokens},
 };
 // clang-format on
 inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
@@ -262,10 +268,14 @@ inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
 template <int I>
 using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>;
 
-// Index in kShapeTable for E and T, or -1 when E is past the table.
-inline int route_shape_index(int num_experts, std::int64_t num_tokens) {
-  for (int i = 0; i < kNumShapes; ++i)
-    if (num_experts <= kShapeTable[i].max_experts && num_tokens <= kShapeTable[i].max_tokens) return i;
+// Index in kShapeTable for E, T and the pre function, or -1 when E is past the table.
+inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre = PreFn::kNone) {
+  for (int i = 0; i < kNumShapes; ++i) {
+    const ShapeEntry& e = kShapeTable[i];
+    if (num_experts <= e.max_experts &&
+        num_tokens <= (pre == PreFn::kSoftmax ? e.max_tokens_softmax : e.max_tokens))
+      return i;
+  }
   return -1;
 }
 
@@ -277,8 +287,8 @@ Status dispatch_route_shape_impl(int index, F&& f, std::integer_sequence<int, I.
 
 // Calls f(Shape{}) with the shape for E and T.
 template <typename F>
-Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f) {
-  const int index = route_shape_index(num_experts, num_tokens);
+Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f, PreFn pre = PreFn::kNone) {
+  const int index = route_shape_index(num_experts, num_tokens, pre);
   if (index < 0) {
     return Status::Unsupported("route: E = " + std::to_string(num_experts) +
                                " exceeds the CUDA backend's maximum of " +

@@ -329,9 +329,9 @@ Status route(const detail::RouteArgs& args, Stream stream) {
                                " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
   }
   const RouteParams p = routing::make_route_params(args);
-  return routing::dispatch_route_shape(args.config.num_experts, args.num_tokens, [&](auto shape) {
-    return launch_route_shape<decltype(shape)>(p, stream);
-  });
+  return routing::dispatch_route_shape(
+      args.config.num_experts, args.num_tokens,
+      [&](auto shape) { return launch_route_shape<decltype(shape)>(p, stream); }, args.config.pre);
 }
 
 }  // namespace switchyard::cuda

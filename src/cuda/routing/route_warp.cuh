@@ -285,7 +285,7 @@ Status dispatch_route_shape_impl(int index, F&& f, std::integer_sequence<int, I.
                               [&](auto c) { return f(ShapeAt<decltype(c)::value>{}); });
 }
 
-// Calls f(Shape{}) with the shape for E and T.
+// Calls f(Shape{}) with the shape for E, T and the pre function (route_shape_index).
 template <typename F>
 Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f, PreFn pre = PreFn::kNone) {
   const int index = route_shape_index(num_experts, num_tokens, pre);

@@ -207,10 +207,10 @@ struct RoutedPicks {
 // in registers at a useful occupancy: without a group limit those rows take route_warp_wide.
 // Rows up to which whole-warp rows of 65-128 / 129-512 experts keep 3 candidates per lane instead
 // of 2.
-// With D = 2 about 5-8% of the rows of deepseek-v3, kimi-k2 or qwen3-next (random logits) have a
-// lane holding 3 of the K picks; those rows leave the fast pass for the exact rounds (~2700
-// cycles more), and at small T the slowest row is the call's time: at T = 16 most calls have one,
-// at T = 128 nearly all. D = 3 makes such rows ~0.3%, but each insertion costs more, which
+// With D = 2 about 3-8% of the rows of deepseek-v3, kimi-k2 or qwen3-next (random logits; model:
+// scripts/buffer_overflow_model.py) have a lane holding 3 of the K picks; those rows leave the fast pass for
+// the exact rounds (~2700 cycles more), and at small T the slowest row is the call's time: at T = 16 most
+// calls have one, at T = 128 nearly all. D = 3 makes such rows ~0.3%, but each insertion costs more, which
 // shows once the rows share the SMs. Measured on the H200 (us, same call, medians of 3 runs, D = 2
 // against 3 at every T; session 17): T = 16 / 128 deepseek-v3 fp32 2.55 / 2.97 against 2.21 /
 // 2.80, kimi-k2 2.52 / 3.16 against 2.28 / 3.03, softmax-e256-k8 2.00 / 2.48 against 1.78 / 1.86,

@@ -122,7 +122,23 @@ inline double measure_copy_bandwidth() {
 }
 
 // SY_BENCH_TOKENS="4096,65536" restricts a benchmark to those token counts, so that a profiler
-// (ncu -c 1) sees the point of interest first; unset or empty: every point.
+// (ncu -c 1) sees the point of interest first; unset or empty: every point. bench_routing takes any
+// counts from it (token_list); the other benches only select among their own (token_selected).
+inline std::vector<std::int64_t> token_list(const std::vector<std::int64_t>& defaults) {
+  const char* env = std::getenv("SY_BENCH_TOKENS");
+  if (env == nullptr || *env == '\0') return defaults;
+  std::vector<std::int64_t> out;
+  const std::string list = env;
+  std::size_t pos = 0;
+  while (pos < list.size()) {
+    const std::size_t end = std::min(list.find(',', pos), list.size());
+    const long long v = std::atoll(list.substr(pos, end - pos).c_str());
+    if (v > 0) out.push_back(v);
+    pos = end + 1;
+  }
+  return out;
+}
+
 inline bool token_selected(std::int64_t tokens) {
   const char* env = std::getenv("SY_BENCH_TOKENS");
   if (env == nullptr || *env == '\0') return true;

@@ -9,7 +9,7 @@
 //
 // Usage: bench_routing [out.json] [name-filter]
 //   out.json     default bench_routing.json
-//   name-filter  only configurations whose name contains this string
+//   name-filter  only configurations whose name contains one of these comma-separated strings
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -97,6 +97,10 @@ std::vector<BenchConfig> configs() {
   add("e576-grouped-k8", 576, switchyard::PreFn::kSigmoid, switchyard::PostFn::kNormalize, true, 8);
   add("e896-sigmoid-bias-k8", 896, switchyard::PreFn::kSigmoid, switchyard::PostFn::kNormalize, true, 1);
   add("e896-softmax-k8", 896, switchyard::PreFn::kNone, switchyard::PostFn::kSoftmax, false, 1);
+  // Small expert counts (OLMoE: E = 64, K = 8, softmax without renormalisation), next to the
+  // presets' 8 (mixtral-8x7b) and 16 (dbrx).
+  add("e64-softmax-k8", 64, switchyard::PreFn::kSoftmax, switchyard::PostFn::kNone, false, 1);
+  add("e32-softmax-k8", 32, switchyard::PreFn::kSoftmax, switchyard::PostFn::kNone, false, 1);
   return out;
 }
 
@@ -137,6 +141,19 @@ bool alloc(void** p, std::size_t bytes) {
   return cudaMalloc(p, std::max<std::size_t>(bytes, 16)) == cudaSuccess;
 }
 
+// True when filter is empty or one of its comma-separated parts occurs in name.
+bool name_selected(const std::string& name, const std::string& filter) {
+  if (filter.empty()) return true;
+  std::size_t pos = 0;
+  while (pos <= filter.size()) {
+    const std::size_t end = std::min(filter.find(',', pos), filter.size());
+    const std::string part = filter.substr(pos, end - pos);
+    if (!part.empty() && name.find(part) != std::string::npos) return true;
+    pos = end + 1;
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -159,7 +176,7 @@ int main(int argc, char** argv) {
       "| config | logits | T | median us | p10 us | p90 us | bytes | GB/s | floor us | target us | met |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
 
-  const std::int64_t tokens[] = {1, 16, 128, 256, 1024, 4096, 16384, 65536};
+  const std::vector<std::int64_t> tokens = sy_bench::token_list({1, 16, 128, 256, 1024, 4096, 16384, 65536});
   const DType dtypes[] = {DType::kFloat32, DType::kBFloat16};
   const std::size_t kL2Bytes = 60u << 20;
   std::vector<std::string> points;
@@ -167,12 +184,11 @@ int main(int argc, char** argv) {
   int failures = 0;
 
   for (const BenchConfig& bc : configs()) {
-    if (!filter.empty() && bc.name.find(filter) == std::string::npos) continue;
+    if (!name_selected(bc.name, filter)) continue;
     const int E = bc.routing.num_experts;
     const int K = bc.routing.top_k;
     for (DType dtype : dtypes) {
       for (std::int64_t T : tokens) {
-        if (!sy_bench::token_selected(T)) continue;
         const std::size_t elem = switchyard::dtype_size(dtype);
         const std::size_t logits_bytes = static_cast<std::size_t>(T) * E * elem;
         const std::size_t bias_bytes = bc.has_bias ? static_cast<std::size_t>(E) * 4 : 0;

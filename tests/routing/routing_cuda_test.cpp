@@ -18,6 +18,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/cuda_test_util.h"
@@ -940,6 +941,68 @@ TEST(RoutingCuda, WarpForWideRows) {
         c.kind = kinds[i % 6];
         if (!check_aligned(c, i)) return;
       }
+    }
+  }
+}
+
+// Rows of up to 64 experts in each of their forms: a whole warp per row, narrow segments
+// (route_warp.cuh's kShapeTable) and one thread per row (route_rows.cuh, K <= 8), each forced at
+// every T through the SWITCHYARD_ROUTE_SMALL_E knob (rows past a form's reach take the default), then
+// the default forms on both sides of their token bounds. Every
+// rule family (softmax / none / sigmoid + bias pre functions, every post function, group limits where
+// E allows them), aligned rows (the specialised kernels) and odd strides (the generic one), K up to E
+// (lanes with more picks than their buffer: lane-heavy and tied rows), special values.
+TEST(RoutingCuda, SmallExpertForms) {
+  SY_SKIP_WITHOUT_GPU();
+  const Kind kinds[] = {Kind::kNormal,   Kind::kLaneHeavy, Kind::kTied,    Kind::kSpecial,
+                        Kind::kNearTied, Kind::kWide,      Kind::kNegative};
+  int i = 0;
+  const auto run = [&](int E, int K, std::int64_t T) {
+    Case c;
+    switch (i % 5) {
+      case 0:  // dbrx
+        c.config = make_config(E, K, PreFn::kSoftmax, PostFn::kNormalize);
+        break;
+      case 1:  // mixtral
+        c.config = make_config(E, K, PreFn::kNone, PostFn::kSoftmax);
+        break;
+      case 2:  // sigmoid + bias, with a group limit where 4 groups fit
+        c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+        c.bias = true;
+        if (E % 4 == 0 && K <= E / 2) {
+          c.config.group_rule = static_cast<GroupRule>(1 + (i / 5) % 3);
+          c.config.n_group = 4;
+          c.config.topk_group = 2;
+          if (!switchyard::validate(c.config).ok()) c.config.group_rule = GroupRule::kNone;
+        }
+        break;
+      default:  // any rule
+        c.config = make_config(E, K, static_cast<PreFn>((i / 5) % 4), static_cast<PostFn>((i / 3) % 4));
+        c.bias = (i / 7) % 2 == 1;
+        break;
+    }
+    c.T = T;
+    c.kind = kinds[i % 7];
+    c.logits_dtype = kLogitDtypes[(i / 2) % 3];
+    return (i % 4 == 3) ? check_varied(c, i) : check_aligned(c, i);
+  };
+  const std::int64_t ts[] = {1, 5, 33, 200, 1500};
+  for (const char* form : {"warp", "narrow", "rows"}) {
+    const ScopedEnv knob("SWITCHYARD_ROUTE_SMALL_E", form);
+    for (int E : {2, 3, 4, 5, 8, 11, 16, 17, 24, 32, 40, 60, 64}) {
+      for (int K : {1, 2, 3, 4, 5, 7, 8, 16}) {
+        if (K > E) continue;
+        if (!run(E, K, ts[i % 5])) return;
+      }
+    }
+  }
+  // route_warp.cuh's kSmallWarpMaxTokens16 / 64 and route_rows.cuh's kRowsMinTokens8 / 16 (- 1).
+  const std::pair<int, std::int64_t> bounds[] = {{4, 2048}, {16, 2048},  {17, 1024},  {64, 1024},
+                                                 {5, 127},  {8, 127},    {9, 32767},  {16, 32767},
+                                                 {17, 32767}, {16, 65543}};
+  for (const auto& [E, bound] : bounds) {
+    for (std::int64_t T : {bound, bound + 1}) {
+      if (!run(E, std::min(E, 2 + i % 7), T)) return;
     }
   }
 }

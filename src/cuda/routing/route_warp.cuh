@@ -198,8 +198,9 @@ struct RoutedPicks {
 
 // Shapes. A shape entry serves E <= max_experts and T <= max_tokens; the first entry that fits is
 // used.
-// Up to E = 32 a row is small and narrow segments let one shuffle serve 32 / W rows; past that a
-// row gets the whole warp (W = 32): each lane then holds only E / 32 values (8 for E = 256), so
+// Up to E = 64 a row is small: past a few thousand rows (kSmallWarpMaxTokens16 / 64) narrow segments
+// let one shuffle serve 32 / W rows, and route_rows one thread a row; past E = 64 a row gets the
+// whole warp (W = 32): each lane then holds only E / 32 values (8 for E = 256), so
 // the kernels need 40-64 registers and run at high occupancy, the segment reductions are single
 // redux.sync instructions, and a lone row's serial work is short. (Narrower segments for
 // 64 <= E <= 576 at large T held 24-36 values per lane: ncu showed 105 registers, 25% occupancy
@@ -228,6 +229,18 @@ inline constexpr std::int64_t kDeepBufferMaxTokens = 128;
 inline constexpr std::int64_t kDeepBufferMaxTokensSoftmax = 4096;
 inline constexpr std::int64_t kDeepBufferMaxTokens128 = 4096;
 inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::max();
+// Rows of up to 16 / 64 experts: a whole warp per row (W = 32, lanes past E / 4 idle) up to these
+// many rows, then narrow segments (W = E / 4 rounded up: 32 / W rows per warp), then, where it
+// fits, route_rows (route_rows.cuh, one thread per row, from kRowsMinTokens8 / 16 rows). The whole warp
+// reduces with single redux.sync instructions where narrow segments need shuffle butterflies: at
+// small T, where one row's latency is the call's time, it is faster; from a few thousand rows on
+// the idle lanes cost more. Measured on the H200 (us, same call, two runs, whole warp / narrow;
+// session 18): T = 1 mixtral-8x7b fp32 1.31 / 1.95, dbrx 1.69 / 2.09, E = 32 K = 8 softmax 2.05 /
+// 2.45, E = 64 2.12 / 2.70; T = 1024 1.57 / 1.83, 1.94 / 2.30, 2.37 / 2.61, 2.45 / 2.84; T = 2048
+// 1.77 / 1.86, 2.19 / 2.30, 2.64 / 2.69, 2.72 / 2.99 (bf16: dbrx equal, E = 32 / 64 2.93 / 2.72 and
+// 3.18 / 3.01); T = 3072 narrow faster everywhere (dbrx fp32 2.55 / 2.33, E = 64 3.74 / 3.47).
+inline constexpr std::int64_t kSmallWarpMaxTokens16 = 2048;
+inline constexpr std::int64_t kSmallWarpMaxTokens64 = 1024;
 
 struct ShapeEntry {
   int max_experts, w, s, d;
@@ -241,6 +254,8 @@ struct ShapeEntry {
 // D = 3 past 512 experts (5 or more values per lane and buffer).
 // clang-format off
 inline constexpr ShapeEntry kShapeTable[] = {
+    {16, 32, 1, 4, kSmallWarpMaxTokens16, kSmallWarpMaxTokens16},
+    {64, 32, 1, 4, kSmallWarpMaxTokens64, kSmallWarpMaxTokens64},
     {4, 1, 1, 4, kAnyTokens, kAnyTokens},
     {8, 2, 1, 4, kAnyTokens, kAnyTokens},
     {16, 4, 1, 4, kAnyTokens, kAnyTokens},
@@ -268,8 +283,32 @@ inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
 template <int I>
 using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>;
 
+// How rows of up to 64 experts are laid out: a whole warp per row (kShapeTable's W = 32), narrow
+// segments (W < 32, several rows per warp) or one thread per row (route_rows.cuh, outside the
+// table).
+enum class SmallRowForm { kAuto, kWarp, kNarrow, kRows };
+inline SmallRowForm shape_form(const ShapeEntry& e) { return e.w == 32 ? SmallRowForm::kWarp : SmallRowForm::kNarrow; }
+
+// SWITCHYARD_ROUTE_SMALL_E=warp|narrow|rows (environment, read per call) forces that form for rows
+// of up to 64 experts at every T (rows: where route_rows fits, else the default): a testing knob
+// (tests and same-call A/B runs reach every form), not needed for correct results.
+inline SmallRowForm small_row_form_knob() {
+  const char* v = std::getenv("SWITCHYARD_ROUTE_SMALL_E");
+  if (v == nullptr) return SmallRowForm::kAuto;
+  if (std::strcmp(v, "warp") == 0) return SmallRowForm::kWarp;
+  if (std::strcmp(v, "narrow") == 0) return SmallRowForm::kNarrow;
+  if (std::strcmp(v, "rows") == 0) return SmallRowForm::kRows;
+  return SmallRowForm::kAuto;
+}
+
 // Index in kShapeTable for E, T and the pre function, or -1 when E is past the table.
 inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre = PreFn::kNone) {
+  const SmallRowForm forced = num_experts <= 64 ? small_row_form_knob() : SmallRowForm::kAuto;
+  if (forced != SmallRowForm::kAuto) {
+    for (int i = 0; i < kNumShapes; ++i) {
+      if (num_experts <= kShapeTable[i].max_experts && shape_form(kShapeTable[i]) == forced) return i;
+    }
+  }
   for (int i = 0; i < kNumShapes; ++i) {
     const ShapeEntry& e = kShapeTable[i];
     if (num_experts <= e.max_experts &&

@@ -11,6 +11,7 @@
 
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
+#include "cuda/routing/route_rows.cuh"
 #include "cuda/routing/route_warp.cuh"
 
 namespace switchyard::cuda {
@@ -320,6 +321,44 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
   return launch_route<Shape, SpecGeneric>(p, stream);
 }
 
+// One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.
+template <int kE, int kK>
+__global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p) {
+  pdl_wait();  // before any global access (launch.cuh PDL contract)
+  pdl_launch_dependents();
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= p.num_tokens) return;  // no barrier follows
+  routing::route_row_thread<kE, kK>(p, row);
+}
+
+template <int kE, int kK>
+Status launch_route_rows(const RouteParams& p, cudaStream_t stream) {
+  // Blocks of up to 256 threads, fewer where that spreads the rows over more SMs (as
+  // launch_route does with warps).
+  int sms = 0;
+  const Status sm_status = current_sm_count("route", &sms);
+  if (!sm_status.ok()) return sm_status;
+  const std::int64_t warps = (p.num_tokens + 31) / 32;
+  const std::int64_t spread = (warps + std::max(sms, 1) - 1) / std::max(sms, 1);
+  const int threads = 32 * static_cast<int>(std::clamp<std::int64_t>(spread, 1, 8));
+  const std::int64_t blocks = (p.num_tokens + threads - 1) / threads;
+  if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
+  return launch_kernel("route: kernel launch", route_rows_kernel<kE, kK>, dim3(static_cast<unsigned>(blocks)),
+                       dim3(static_cast<unsigned>(threads)), 0, stream, /*pdl=*/true, p);
+}
+
+// route_rows for p (routing::rows_kernel_fits): the smallest kE >= E and kK >= K.
+Status launch_route_rows_for(const RouteParams& p, cudaStream_t stream) {
+  static_assert(routing::kRowsMaxExperts == 16 && routing::kRowsMaxTopK == 8, "the kernels below");
+  const int e_cap = p.num_experts <= 8 ? 8 : 16;
+  const int k_cap = p.top_k <= 2 ? 2 : p.top_k <= 4 ? 4 : 8;
+  return dispatch_value<8, 16>("route rows: experts held", e_cap, [&](auto e) {
+    return dispatch_value<2, 4, 8>("route rows: buffer depth", k_cap, [&](auto k) {
+      return launch_route_rows<decltype(e)::value, decltype(k)::value>(p, stream);
+    });
+  });
+}
+
 }  // namespace
 
 Status route(const detail::RouteArgs& args, Stream stream) {
@@ -329,6 +368,7 @@ Status route(const detail::RouteArgs& args, Stream stream) {
                                " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
   }
   const RouteParams p = routing::make_route_params(args);
+  if (routing::use_rows_kernel(p)) return launch_route_rows_for(p, stream);
   return routing::dispatch_route_shape(
       args.config.num_experts, args.num_tokens,
       [&](auto shape) { return launch_route_shape<decltype(shape)>(p, stream); }, args.config.pre);

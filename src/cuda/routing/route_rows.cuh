@@ -1,0 +1,273 @@
+// Thread-per-row routing (DESIGN.md section 2) for rows of up to kRowsMaxExperts experts with
+// K <= kRowsMaxTopK and no group limit: the large-T form of the smallest expert counts (Mixtral
+// E = 8, DBRX 16). Same contract and bits as route_warp (route_warp.cuh), whose
+// device arithmetic it calls.
+//
+// Why: route_warp serves such rows with narrow segments (W = 2-16 lanes a row), whose per-row
+// work is mostly segment bookkeeping: ncu at T = 65536 counted ~620 warp instructions per warp of
+// 8 DBRX rows (finish_row 127, the fast pass 90 plus its shuffles, loads and addressing 94), 49
+// registers, issue slots 49% busy. Here one thread holds a whole row in registers and does every
+// step alone: no shuffles, no segment reductions, and every warp instruction serves 32 rows.
+// The cost is latency: a row's chain is serial, so the launcher takes this form only from
+// kRowsMinTokens8 / 16 rows on (route_warp is faster below; see there for the measurements).
+//
+// A row, in one thread: the logits (vector loads where aligned; absent experts e >= E read -inf
+// for softmax, else 0, and get key 0, "not a candidate"), the pre function in route_warp's order
+// (softmax: max of the finite logits, exp into the canonical partials (e / 4) % 32, the butterfly
+// over them, which for E <= 64 is the in-register butterfly over the E / 4 nonzero partials, the
+// exact division), the selection keys of canonical(p + bias), then a sorted buffer of the best
+// kK (key, expert) pairs, filled in ascending expert order with strict comparisons so that equal
+// keys keep the lower expert first: (key desc, expert asc), the oracle's order. p of a pick is
+// its key's score, or recomputed from the logit where the key does not give it (bias; -0 with no
+// pre function), as finish_row does; the post function sums in k order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/launch.cuh"
+#include "cuda/routing/route_warp.cuh"
+
+namespace switchyard::cuda::routing {
+
+inline constexpr int kRowsMaxExperts = 16;
+inline constexpr int kRowsMaxTopK = 8;
+
+// Rows of up to 8 / 16 experts from which route_rows serves them (below: route_warp's whole-warp
+// or narrow forms). Measured on the H200 (us, same call, two runs, route_rows / the faster of
+// route_warp's forms; session 18, before the packed stores): mixtral-8x7b fp32 T = 1 / 128 / 4096 /
+// 16384 / 65536 1.34 / 1.38 / 1.50 / 1.62 / 2.65 against 1.32 / 1.48 / 1.84 / 2.05 / 3.86 (bf16
+// 65536 2.31 / 3.62); dbrx T = 4096 / 16384 / 32768 / 65536 3.18 / 3.74 / 4.64 / 6.18 against 2.35 /
+// 2.88 / 4.67 / 7.84. A row's chain is ~1100 instructions at E = 16, K = 4 (ncu at T = 65536: 35
+// warp instructions per row against ~150 on narrow segments, but 2048 warps, 0.3 waves, issue
+// slots 26% busy: latency-bound). At E = 32 / 64 (K = 8) route_rows was slower at every T (65536:
+// 23.5 / 49.1 against 16.7 / 30.8; at E = 64 175 registers and instruction-cache misses), so it
+// stops at 16.
+inline constexpr std::int64_t kRowsMinTokens8 = 128;
+inline constexpr std::int64_t kRowsMinTokens16 = 32768;
+
+// Whether route_rows can serve p (E, K and the group limit).
+inline bool rows_kernel_fits(const RouteParams& p) {
+  return p.num_experts <= kRowsMaxExperts && p.top_k <= kRowsMaxTopK && p.group_path == kGroupNone;
+}
+
+// Whether the launcher takes route_rows for p: where it fits, from kRowsMinTokens8 / 16 rows on, or at
+// every T under SWITCHYARD_ROUTE_SMALL_E=rows (and never under =warp or =narrow).
+inline bool use_rows_kernel(const RouteParams& p) {
+  if (!rows_kernel_fits(p)) return false;
+  const SmallRowForm form = small_row_form_knob();
+  const std::int64_t min_tokens = p.num_experts <= 8 ? kRowsMinTokens8 : kRowsMinTokens16;
+  return form == SmallRowForm::kRows || (form == SmallRowForm::kAuto && p.num_tokens >= min_tokens);
+}
+
+__device__ __forceinline__ unsigned pack_bits(int x) { return static_cast<unsigned>(x); }
+__device__ __forceinline__ unsigned pack_bits(float x) { return __float_as_uint(x); }
+
+// Stores x[0 .. N) (N = 2, 4 or 8 four-byte values) at dst, aligned to min(4 N, 16) bytes, with 8- or
+// 16-byte stores.
+template <int N, typename T>
+__device__ __forceinline__ void store_pack(T* dst, const T (&x)[N]) {
+  static_assert(sizeof(T) == 4 && (N == 2 || N == 4 || N == 8), "pack of 2, 4 or 8 four-byte values");
+  if constexpr (N == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bits(x[0]), pack_bits(x[1]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      *reinterpret_cast<uint4*>(dst + i) =
+          make_uint4(pack_bits(x[i]), pack_bits(x[i + 1]), pack_bits(x[i + 2]), pack_bits(x[i + 3]));
+    }
+  }
+}
+
+// Routes row `row` (< p.num_tokens) of p in the calling thread. kE: experts held (a multiple of 4,
+// E <= kE, kE / 4 a power of two); kK: buffer depth (K <= kK).
+template <int kE, int kK>
+__device__ __forceinline__ void route_row_thread(const RouteParams& p, std::int64_t row) {
+  using namespace dev;
+  static_assert(kE % 4 == 0 && ((kE / 4) & (kE / 4 - 1)) == 0 && kE / 4 <= 32, "kE / 4: a power of two <= 32");
+  static_assert(kK >= 1 && kK <= kE, "buffer depth");
+  constexpr int NP = kE / 4;  // nonzero softmax partials
+  const int E = p.num_experts;
+  const int K = p.top_k;
+  const std::int64_t elem = p.logits_dtype == static_cast<int>(DType::kFloat32) ? 4 : 2;
+  const void* row_ptr = static_cast<const char*>(p.logits) + row * p.row_stride * elem;
+
+  // 1. The row. Absent experts are outside every softmax sum as -inf; for the other pre
+  // functions 0 keeps the sigmoid's fast-path test true (their keys are cleared below).
+  const float fill = p.pre == PreFn::kSoftmax ? neg_inf() : 0.0f;
+  float v[kE];
+#pragma unroll
+  for (int i = 0; i < NP; ++i) load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * i, E, true, fill, &v[4 * i]);
+
+  // 2. Pre-scores p (in v): route_warp's general code with W = 1.
+  SoftmaxRow sm{0.0f, 1.0f, 1.0f};
+  if (p.pre == PreFn::kSoftmax) {
+    float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      const bool f = finite(v[j]);
+      mx = f ? fmaxf(mx, v[j]) : mx;
+      mn = f ? fminf(mn, v[j]) : mn;
+    }
+    sm.m = mx;  // its sign when 0 does not matter: exp(x - (+-0)) == exp(x) for every x
+    float acc[NP];
+#pragma unroll
+    for (int a = 0; a < NP; ++a) acc[a] = 0.0f;
+    // exp(x) >= 2^-64 for x >= -44 keeps the divisions on their fast path (route_warp).
+    const bool fast = __fadd_rn(mn, -sm.m) >= -44.0f;
+    if (fast) {
+#pragma unroll
+      for (int j = 0; j < kE; ++j) {
+        const bool f = finite(v[j]);
+        const float e = exp_fast(__fadd_rn(v[j], -sm.m));
+        v[j] = f ? e : v[j];
+        acc[j / 4] = __fadd_rn(acc[j / 4], f ? e : 0.0f);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kE; ++j) {
+        const bool f = finite(v[j]);
+        v[j] = f ? exp_any(__fadd_rn(v[j], -sm.m)) : v[j];
+        acc[j / 4] = __fadd_rn(acc[j / 4], f ? v[j] : 0.0f);
+      }
+    }
+    sm.sum = softmax_row_sum<1>(acc);
+    sm.rcp = __frcp_rn(sm.sum);
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);
+      v[j] = finite(v[j]) ? q : v[j];
+    }
+  } else if (p.pre == PreFn::kSigmoid) {
+    bool fast = true;  // a NaN logit fails the test
+#pragma unroll
+    for (int j = 0; j < kE; ++j) fast = fast && fabsf(v[j]) <= 86.5f;
+    if (fast) {
+#pragma unroll
+      for (int j = 0; j < kE; ++j) v[j] = sigmoid_fast(v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kE; ++j) v[j] = sigmoid_pre(v[j]);
+    }
+  } else if (p.pre == PreFn::kSqrtSoftplus) {
+#pragma unroll
+    for (int j = 0; j < kE; ++j) v[j] = pre_slow(PreFn::kSqrtSoftplus, v[j]);
+  }
+
+  // 3. Selection keys of canonical(p (+ bias)); 0 past E.
+  std::uint32_t key[kE];
+  if (p.bias != nullptr) {
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+      float b[4];
+      load_chunk(p.bias, p.bias_dtype, p.bias_vec, 4 * i, E, true, 0.0f, b);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) key[4 * i + c] = canonical_key(__fadd_rn(v[4 * i + c], b[c]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kE; ++j) key[j] = canonical_key(v[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < kE; ++j) key[j] = j < E ? key[j] : 0u;
+
+  // 4. Top-K: the best kK (key, expert) pairs, sorted. Every real key is >= score_key(-inf) > 0,
+  // so the empty slots (key 0) fill first and an absent expert never enters.
+  std::uint32_t bk[kK];
+  int be[kK];
+#pragma unroll
+  for (int d = 0; d < kK; ++d) {
+    bk[d] = 0u;
+    be[d] = 0;
+  }
+#pragma unroll
+  for (int j = 0; j < kE; ++j) {
+    const std::uint32_t x = key[j];
+    bool gt[kK];
+#pragma unroll
+    for (int d = 0; d < kK; ++d) gt[d] = x > bk[d];
+#pragma unroll
+    for (int d = kK - 1; d >= 1; --d) {
+      bk[d] = gt[d - 1] ? bk[d - 1] : (gt[d] ? x : bk[d]);
+      be[d] = gt[d - 1] ? be[d - 1] : (gt[d] ? j : be[d]);
+    }
+    bk[0] = gt[0] ? x : bk[0];
+    be[0] = gt[0] ? j : be[0];
+  }
+
+  // 5. Weights (finish_row's arithmetic, one lane holding every pick).
+  bool fin[kK];
+  float pv[kK];
+#pragma unroll
+  for (int k = 0; k < kK; ++k) {
+    fin[k] = k < K && key_finite(bk[k]);
+    pv[k] = key_score(bk[k]);
+    const bool reload = p.bias != nullptr || (p.pre == PreFn::kNone && bk[k] == kZeroKey);
+    if (fin[k] && reload) {
+      const float s = load_one(row_ptr, p.logits_dtype, be[k]);
+      pv[k] = p.pre == PreFn::kSoftmax ? softmax_pre(s, sm) : elementwise_pre(p.pre, s);
+    }
+  }
+  float w[kK];
+  if (p.post == PostFn::kSoftmax) {
+    float m = neg_inf();
+#pragma unroll
+    for (int k = 0; k < kK; ++k) m = fin[k] ? fmaxf(m, pv[k]) : m;
+    float term[kK];
+    float sum = 0.0f;  // k order; a non-finite pick adds +0, which is exact (sum is never -0)
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+      term[k] = fin[k] ? exp_any(__fadd_rn(pv[k], -m)) : 0.0f;
+      sum = __fadd_rn(sum, term[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kK; ++k) w[k] = fin[k] ? __fmul_rn(__fdiv_rn(term[k], sum), p.scale) : 0.0f;
+  } else if (p.post == PostFn::kNormalize) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kK; ++k) sum = __fadd_rn(sum, fin[k] ? pv[k] : 0.0f);
+    const float denom = __fadd_rn(sum, 1e-20f);
+#pragma unroll
+    for (int k = 0; k < kK; ++k) w[k] = fin[k] ? __fmul_rn(__fdiv_rn(pv[k], denom), p.scale) : 0.0f;
+  } else if (p.post == PostFn::kSigmoid) {
+#pragma unroll
+    for (int k = 0; k < kK; ++k) w[k] = fin[k] ? __fmul_rn(sigmoid_pre(pv[k]), p.scale) : 0.0f;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kK; ++k) w[k] = fin[k] ? __fmul_rn(pv[k], p.scale) : 0.0f;
+  }
+
+  // 6. Outputs: one or two 8- / 16-byte stores each for int32 ids and fp32 weights when K == kK and
+  // the arrays are aligned (a row's K values are then aligned too); else one store per value.
+  const std::int64_t out = row * K;
+  constexpr unsigned kPackBytes = 4 * kK < 16 ? 4 * kK : 16;
+  const auto aligned = [&](const void* ptr) {
+    return ptr == nullptr || reinterpret_cast<std::uintptr_t>(ptr) % kPackBytes == 0;
+  };
+  if (K == kK && !p.ids_int64 && !p.weights_bf16 && aligned(p.topk_ids) && aligned(p.topk_weights)) {
+    if (p.topk_ids != nullptr) store_pack<kK>(static_cast<std::int32_t*>(p.topk_ids) + out, be);
+    if (p.topk_weights != nullptr) store_pack<kK>(static_cast<float*>(p.topk_weights) + out, w);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kK; ++k) {
+    if (k >= K) break;  // uniform
+    if (p.topk_ids != nullptr) {
+      if (p.ids_int64) {
+        static_cast<std::int64_t*>(p.topk_ids)[out + k] = be[k];
+      } else {
+        static_cast<std::int32_t*>(p.topk_ids)[out + k] = be[k];
+      }
+    }
+    if (p.topk_weights != nullptr) {
+      if (p.weights_bf16) {
+        static_cast<std::uint16_t*>(p.topk_weights)[out + k] = detail::float_to_bf16(w[k]);
+      } else {
+        static_cast<float*>(p.topk_weights)[out + k] = w[k];
+      }
+    }
+  }
+}
+
+}  // namespace switchyard::cuda::routing

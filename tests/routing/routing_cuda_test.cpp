@@ -945,8 +945,9 @@ TEST(RoutingCuda, WarpForWideRows) {
   }
 }
 
-// Rows of up to 64 experts in each of their forms: a whole warp per row, narrow segments
-// (route_warp.cuh's kShapeTable) and one thread per row (route_rows.cuh, K <= 8), each forced at
+// Rows of up to 64 experts in each of their forms: a whole warp per row, narrow segments of one or
+// two stripes (route_warp.cuh's kShapeTable) and one thread per row (route_rows.cuh, E <= 16,
+// K <= 8), each forced at
 // every T through the SWITCHYARD_ROUTE_SMALL_E knob (rows past a form's reach take the default), then
 // the default forms on both sides of their token bounds. Every
 // rule family (softmax / none / sigmoid + bias pre functions, every post function, group limits where
@@ -987,7 +988,7 @@ TEST(RoutingCuda, SmallExpertForms) {
     return (i % 4 == 3) ? check_varied(c, i) : check_aligned(c, i);
   };
   const std::int64_t ts[] = {1, 5, 33, 200, 1500};
-  for (const char* form : {"warp", "narrow", "rows"}) {
+  for (const char* form : {"warp", "narrow", "narrow2", "rows"}) {
     const ScopedEnv knob("SWITCHYARD_ROUTE_SMALL_E", form);
     for (int E : {2, 3, 4, 5, 8, 11, 16, 17, 24, 32, 40, 60, 64}) {
       for (int K : {1, 2, 3, 4, 5, 7, 8, 16}) {
@@ -996,10 +997,11 @@ TEST(RoutingCuda, SmallExpertForms) {
       }
     }
   }
-  // route_warp.cuh's kSmallWarpMaxTokens16 / 64 and route_rows.cuh's kRowsMinTokens8 / 16 (- 1).
-  const std::pair<int, std::int64_t> bounds[] = {{4, 2048}, {16, 2048},  {17, 1024},  {64, 1024},
-                                                 {5, 127},  {8, 127},    {9, 32767},  {16, 32767},
-                                                 {17, 32767}, {16, 65543}};
+  // route_warp.cuh's kSmallWarpMaxTokens16 / 64 and kSmallNarrowMaxTokens64, route_rows.cuh's
+  // kRowsMinTokens8 / 16 (- 1).
+  const std::pair<int, std::int64_t> bounds[] = {{4, 2048},     {16, 2048},  {17, 1024}, {64, 1024},
+                                                 {33, 16383},   {64, 16383}, {5, 127},   {8, 127},
+                                                 {9, 32767},    {16, 32767}, {17, 32767}, {16, 65543}};
   for (const auto& [E, bound] : bounds) {
     for (std::int64_t T : {bound, bound + 1}) {
       if (!run(E, std::min(E, 2 + i % 7), T)) return;

@@ -241,6 +241,14 @@ inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::ma
 // 3.18 / 3.01); T = 3072 narrow faster everywhere (dbrx fp32 2.55 / 2.33, E = 64 3.74 / 3.47).
 inline constexpr std::int64_t kSmallWarpMaxTokens16 = 2048;
 inline constexpr std::int64_t kSmallWarpMaxTokens64 = 1024;
+// Rows of 33-64 experts up to which narrow segments hold one stripe (W = 16, 4 values per lane, 2
+// rows per warp); past it two (W = 8, 8 values per lane, 4 rows per warp: half the segment
+// reductions per row, which dominate the top-K rounds there, for a longer serial row). Measured on
+// the H200 (E = 64 K = 8 softmax, us, same call, two runs, one / two stripes; session 18): fp32
+// T = 1 / 1024 / 4096 / 16384 / 65536 2.72 / 2.83 / 3.48 / 9.16 / 30.8 against 5.37 / 3.82 / 4.38 /
+// 7.92 / 22.9 (bf16 65536 31.0 / 23.6). Two stripes were slower at every T at E = 32 (65536 16.7 /
+// 17.6), four (W = 2 or 4) slower still.
+inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 16383;
 
 struct ShapeEntry {
   int max_experts, w, s, d;
@@ -260,7 +268,8 @@ inline constexpr ShapeEntry kShapeTable[] = {
     {8, 2, 1, 4, kAnyTokens, kAnyTokens},
     {16, 4, 1, 4, kAnyTokens, kAnyTokens},
     {32, 8, 1, 4, kAnyTokens, kAnyTokens},
-    {64, 16, 1, 4, kAnyTokens, kAnyTokens},
+    {64, 16, 1, 4, kSmallNarrowMaxTokens64, kSmallNarrowMaxTokens64},
+    {64, 8, 2, 4, kAnyTokens, kAnyTokens},
     {128, 32, 1, 3, kDeepBufferMaxTokens128, kDeepBufferMaxTokens128},
     {128, 32, 1, 2, kAnyTokens, kAnyTokens},
     {256, 32, 2, 3, kDeepBufferMaxTokens, kDeepBufferMaxTokensSoftmax},
@@ -284,12 +293,14 @@ template <int I>
 using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>;
 
 // How rows of up to 64 experts are laid out: a whole warp per row (kShapeTable's W = 32), narrow
-// segments (W < 32, several rows per warp) or one thread per row (route_rows.cuh, outside the
-// table).
-enum class SmallRowForm { kAuto, kWarp, kNarrow, kRows };
-inline SmallRowForm shape_form(const ShapeEntry& e) { return e.w == 32 ? SmallRowForm::kWarp : SmallRowForm::kNarrow; }
+// segments (W < 32, several rows per warp) of one stripe or (33-64 experts from
+// kSmallNarrowMaxTokens64 rows on) two, or one thread per row (route_rows.cuh, outside the table).
+enum class SmallRowForm { kAuto, kWarp, kNarrow, kNarrow2, kRows };
+inline SmallRowForm shape_form(const ShapeEntry& e) {
+  return e.w == 32 ? SmallRowForm::kWarp : e.s == 2 ? SmallRowForm::kNarrow2 : SmallRowForm::kNarrow;
+}
 
-// SWITCHYARD_ROUTE_SMALL_E=warp|narrow|rows (environment, read per call) forces that form for rows
+// SWITCHYARD_ROUTE_SMALL_E=warp|narrow|narrow2|rows (environment, read per call) forces that form for rows
 // of up to 64 experts at every T (rows: where route_rows fits, else the default): a testing knob
 // (tests and same-call A/B runs reach every form), not needed for correct results.
 inline SmallRowForm small_row_form_knob() {
@@ -298,6 +309,7 @@ inline SmallRowForm small_row_form_knob() {
   if (std::strcmp(v, "warp") == 0) return SmallRowForm::kWarp;
   if (std::strcmp(v, "narrow") == 0) return SmallRowForm::kNarrow;
   if (std::strcmp(v, "rows") == 0) return SmallRowForm::kRows;
+  if (std::strcmp(v, "narrow2") == 0) return SmallRowForm::kNarrow2;
   return SmallRowForm::kAuto;
 }
 

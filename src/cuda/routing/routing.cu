@@ -280,6 +280,21 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
 // fp32 sigmoid + bias (E = 576 T = 65536 134.8 against 119.1: the fp32 row's registers).
 constexpr std::int64_t kWarpForWideMinTokens = 1024;
 
+// Narrow segments (W < 32) that serve many rows (9-64 experts past the whole-warp bounds): the
+// rules of the small-expert models as Specs, fp32 and bf16 logits: softmax -> normalize (DBRX),
+// softmax without post function (OLMoE, Qwen1.5/2-MoE, DeepSeek-V2-Lite) and none -> softmax
+// (Mixtral-style, Phi-3.5-MoE). (TO MEASURE)
+template <class Shape>
+inline constexpr bool kNarrowSpecs = Shape::W < 32 && Shape::kMaxExperts >= 16;
+
+template <class Shape, DType kDtype>
+Status launch_route_narrow(const RouteParams& p, cudaStream_t stream) {
+  return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
+                           Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNone>,
+                           Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>, SpecGeneric>(p,
+                                                                                                          stream);
+}
+
 template <class Shape>
 Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {
@@ -317,6 +332,12 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
       return launch_route_dtype<Shape, DType::kFloat32>(p, stream);
     if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
       return launch_route_dtype<Shape, DType::kBFloat16>(p, stream);
+  }
+  if constexpr (kNarrowSpecs<Shape>) {
+    if (p.logits_dtype == static_cast<int>(DType::kFloat32))
+      return launch_route_narrow<Shape, DType::kFloat32>(p, stream);
+    if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
+      return launch_route_narrow<Shape, DType::kBFloat16>(p, stream);
   }
   return launch_route<Shape, SpecGeneric>(p, stream);
 }

@@ -997,11 +997,12 @@ TEST(RoutingCuda, SmallExpertForms) {
       }
     }
   }
-  // route_warp.cuh's kSmallWarpMaxTokens16 / 64 and kSmallNarrowMaxTokens64, route_rows.cuh's
+  // route_warp.cuh's kSmallWarpMaxTokens16 / 32 / 64 and kSmallNarrowMaxTokens64, route_rows.cuh's
   // kRowsMinTokens8 / 16 (- 1).
-  const std::pair<int, std::int64_t> bounds[] = {{4, 2048},     {16, 2048},  {17, 1024}, {64, 1024},
-                                                 {33, 16383},   {64, 16383}, {5, 127},   {8, 127},
-                                                 {9, 32767},    {16, 32767}, {17, 32767}, {16, 65543}};
+  const std::pair<int, std::int64_t> bounds[] = {{4, 128},    {16, 128},   {17, 256},   {32, 256},
+                                                 {33, 1024},  {64, 1024},  {33, 32767}, {64, 32767},
+                                                 {5, 127},    {8, 127},    {9, 65535},  {16, 65535},
+                                                 {17, 65535}, {16, 70001}};
   for (const auto& [E, bound] : bounds) {
     for (std::int64_t T : {bound, bound + 1}) {
       if (!run(E, std::min(E, 2 + i % 7), T)) return;

@@ -44,8 +44,11 @@ inline constexpr int kRowsMaxTopK = 8;
 // slots 26% busy: latency-bound). At E = 32 / 64 (K = 8) route_rows was slower at every T (65536:
 // 23.5 / 49.1 against 16.7 / 30.8; at E = 64 175 registers and instruction-cache misses), so it
 // stops at 16.
+// With the specialised narrow kernels (routing.cu's kNarrowSpecs) dbrx fp32 took 3.85 / 5.97 us at
+// T = 32768 / 65536 on narrow segments against route_rows' 4.21 / 5.78 (bf16 3.44 / 5.81 against
+// 4.01 / 5.50), hence 65536 rows for 9-16 experts.
 inline constexpr std::int64_t kRowsMinTokens8 = 128;
-inline constexpr std::int64_t kRowsMinTokens16 = 32768;
+inline constexpr std::int64_t kRowsMinTokens16 = 65536;
 
 // Whether route_rows can serve p (E, K and the group limit).
 inline bool rows_kernel_fits(const RouteParams& p) {

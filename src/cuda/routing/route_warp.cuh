@@ -229,26 +229,32 @@ inline constexpr std::int64_t kDeepBufferMaxTokens = 128;
 inline constexpr std::int64_t kDeepBufferMaxTokensSoftmax = 4096;
 inline constexpr std::int64_t kDeepBufferMaxTokens128 = 4096;
 inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::max();
-// Rows of up to 16 / 64 experts: a whole warp per row (W = 32, lanes past E / 4 idle) up to these
-// many rows, then narrow segments (W = E / 4 rounded up: 32 / W rows per warp), then, where it
-// fits, route_rows (route_rows.cuh, one thread per row, from kRowsMinTokens8 / 16 rows). The whole warp
-// reduces with single redux.sync instructions where narrow segments need shuffle butterflies: at
-// small T, where one row's latency is the call's time, it is faster; from a few thousand rows on
-// the idle lanes cost more. Measured on the H200 (us, same call, two runs, whole warp / narrow;
-// session 18): T = 1 mixtral-8x7b fp32 1.31 / 1.95, dbrx 1.69 / 2.09, E = 32 K = 8 softmax 2.05 /
-// 2.45, E = 64 2.12 / 2.70; T = 1024 1.57 / 1.83, 1.94 / 2.30, 2.37 / 2.61, 2.45 / 2.84; T = 2048
-// 1.77 / 1.86, 2.19 / 2.30, 2.64 / 2.69, 2.72 / 2.99 (bf16: dbrx equal, E = 32 / 64 2.93 / 2.72 and
-// 3.18 / 3.01); T = 3072 narrow faster everywhere (dbrx fp32 2.55 / 2.33, E = 64 3.74 / 3.47).
-inline constexpr std::int64_t kSmallWarpMaxTokens16 = 2048;
+// Rows of up to 16 / 32 / 64 experts: a whole warp per row (W = 32, lanes past E / 4 idle) up to
+// these many rows, then narrow segments (W = E / 4 rounded up: 32 / W rows per warp), then, where it
+// fits, route_rows (route_rows.cuh, one thread per row, from kRowsMinTokens8 / 16 rows). The whole
+// warp reduces with single redux.sync instructions where narrow segments need shuffle butterflies:
+// at small T, where one row's latency is the call's time, it is faster; with more rows the idle
+// lanes cost more. Measured on the H200 (us, same call, two runs; session 18). Against the generic
+// narrow kernel (whole warp / narrow): T = 1 mixtral-8x7b fp32 1.31 / 1.95, dbrx 1.69 / 2.09,
+// E = 32 K = 8 softmax 2.05 / 2.45, E = 64 2.12 / 2.70; T = 1024 1.57 / 1.83, 1.94 / 2.30, 2.37 /
+// 2.61, 2.45 / 2.84. Against the specialised narrow kernels (routing.cu's kNarrowSpecs): T = 256 /
+// 512 / 1024 / 2048 dbrx fp32 1.87 / 1.90 / 1.96 / 2.20 against 1.78 / 1.80 / 1.83 / 1.83, E = 32
+// 2.20 / 2.29 / 2.38 / 2.65 against 2.19 / 2.22 / 2.24 / 2.29, E = 64 2.30 / 2.38 / 2.47 / 2.72
+// against 2.48 / 2.50 / 2.53 / 2.68 (bf16 alike). Rules without a narrow Spec keep the generic
+// narrow kernel, ~0.1-0.4 us slower than the whole warp up to 2048 rows (dbrx's rule on it: 2.25-2.30
+// at T = 256-2048).
+inline constexpr std::int64_t kSmallWarpMaxTokens16 = 128;
+inline constexpr std::int64_t kSmallWarpMaxTokens32 = 256;
 inline constexpr std::int64_t kSmallWarpMaxTokens64 = 1024;
 // Rows of 33-64 experts up to which narrow segments hold one stripe (W = 16, 4 values per lane, 2
 // rows per warp); past it two (W = 8, 8 values per lane, 4 rows per warp: half the segment
 // reductions per row, which dominate the top-K rounds there, for a longer serial row). Measured on
-// the H200 (E = 64 K = 8 softmax, us, same call, two runs, one / two stripes; session 18): fp32
-// T = 1 / 1024 / 4096 / 16384 / 65536 2.72 / 2.83 / 3.48 / 9.16 / 30.8 against 5.37 / 3.82 / 4.38 /
-// 7.92 / 22.9 (bf16 65536 31.0 / 23.6). Two stripes were slower at every T at E = 32 (65536 16.7 /
-// 17.6), four (W = 2 or 4) slower still.
-inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 16383;
+// the H200 (E = 64 K = 8 softmax, us, same call, two runs, one / two stripes; session 18): generic
+// kernels, fp32 T = 1 / 1024 / 4096 / 16384 / 65536 2.72 / 2.83 / 3.48 / 9.16 / 30.8 against 5.37 /
+// 3.82 / 4.38 / 7.92 / 22.9; specialised, T = 16384 / 32768 / 65536 7.78 / 13.80 / 25.5 against
+// 7.90 / 11.32 / 19.6. Two stripes were slower at every T at E = 32 (65536 13.6 / 19.6 specialised),
+// four (W = 2 or 4) slower still.
+inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 32767;
 
 struct ShapeEntry {
   int max_experts, w, s, d;
@@ -263,11 +269,12 @@ struct ShapeEntry {
 // clang-format off
 inline constexpr ShapeEntry kShapeTable[] = {
     {16, 32, 1, 4, kSmallWarpMaxTokens16, kSmallWarpMaxTokens16},
-    {64, 32, 1, 4, kSmallWarpMaxTokens64, kSmallWarpMaxTokens64},
     {4, 1, 1, 4, kAnyTokens, kAnyTokens},
     {8, 2, 1, 4, kAnyTokens, kAnyTokens},
     {16, 4, 1, 4, kAnyTokens, kAnyTokens},
+    {32, 32, 1, 4, kSmallWarpMaxTokens32, kSmallWarpMaxTokens32},
     {32, 8, 1, 4, kAnyTokens, kAnyTokens},
+    {64, 32, 1, 4, kSmallWarpMaxTokens64, kSmallWarpMaxTokens64},
     {64, 16, 1, 4, kSmallNarrowMaxTokens64, kSmallNarrowMaxTokens64},
     {64, 8, 2, 4, kAnyTokens, kAnyTokens},
     {128, 32, 1, 3, kDeepBufferMaxTokens128, kDeepBufferMaxTokens128},

@@ -6,7 +6,7 @@
 //
 //   RouteParams make_route_params(const detail::RouteArgs& args);            // host
 //   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f,
-//                               PreFn pre = PreFn::kNone);  // host
+//                               PreFn pre = PreFn::kNone, bool narrow_spec = false);  // host
 //       calls f(Shape{}) with the RouteShape<W, S, D> for E, T and the pre function
 //       (route_shape_index), returns its Status; Unsupported past kMaxGpuExperts.
 //   std::size_t route_smem_bytes_per_warp<Shape, bool kPackedTopK = true>(const RouteParams& p);
@@ -240,9 +240,12 @@ inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::ma
 // 2.61, 2.45 / 2.84. Against the specialised narrow kernels (routing.cu's kNarrowSpecs): T = 256 /
 // 512 / 1024 / 2048 dbrx fp32 1.87 / 1.90 / 1.96 / 2.20 against 1.78 / 1.80 / 1.83 / 1.83, E = 32
 // 2.20 / 2.29 / 2.38 / 2.65 against 2.19 / 2.22 / 2.24 / 2.29, E = 64 2.30 / 2.38 / 2.47 / 2.72
-// against 2.48 / 2.50 / 2.53 / 2.68 (bf16 alike). Rules without a narrow Spec keep the generic
-// narrow kernel, ~0.1-0.4 us slower than the whole warp up to 2048 rows (dbrx's rule on it: 2.25-2.30
-// at T = 256-2048).
+// against 2.48 / 2.50 / 2.53 / 2.68 (bf16 alike); at T = 1 / 16 / 128 dbrx fp32 1.70 / 1.78 / 1.85
+// against 1.67 / 1.65 / 1.76, E = 32 bf16 2.19 / 2.29 / 2.36 against 2.14 / 2.10 / 2.21 (fp32 equal),
+// E = 64 fp32 2.13 / 2.22 / 2.29 against 2.36 / 2.38 / 2.45. So rules with a narrow Spec skip the
+// whole warp for 9-32 experts (route_shape_index's narrow_spec); the others keep these bounds: on
+// the generic narrow kernel dbrx's rule took 2.09-2.30 us at T = 1-2048, 0.1-0.4 us more than the
+// whole warp.
 inline constexpr std::int64_t kSmallWarpMaxTokens16 = 128;
 inline constexpr std::int64_t kSmallWarpMaxTokens32 = 256;
 inline constexpr std::int64_t kSmallWarpMaxTokens64 = 1024;
@@ -320,8 +323,11 @@ inline SmallRowForm small_row_form_knob() {
   return SmallRowForm::kAuto;
 }
 
-// Index in kShapeTable for E, T and the pre function, or -1 when E is past the table.
-inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre = PreFn::kNone) {
+// Index in kShapeTable for E, T and the pre function, or -1 when E is past the table. narrow_spec:
+// the rule has specialised narrow kernels (routing.cu's narrow_spec_matches); rows of 9-32 experts
+// then skip the whole-warp entries (kSmallWarpMaxTokens16 / 32).
+inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre = PreFn::kNone,
+                             bool narrow_spec = false) {
   const SmallRowForm forced = num_experts <= 64 ? small_row_form_knob() : SmallRowForm::kAuto;
   if (forced != SmallRowForm::kAuto) {
     for (int i = 0; i < kNumShapes; ++i) {
@@ -330,6 +336,7 @@ inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre
   }
   for (int i = 0; i < kNumShapes; ++i) {
     const ShapeEntry& e = kShapeTable[i];
+    if (narrow_spec && num_experts > 8 && e.w == 32 && e.max_experts <= 32) continue;
     if (num_experts <= e.max_experts &&
         num_tokens <= (pre == PreFn::kSoftmax ? e.max_tokens_softmax : e.max_tokens))
       return i;
@@ -343,10 +350,11 @@ Status dispatch_route_shape_impl(int index, F&& f, std::integer_sequence<int, I.
                               [&](auto c) { return f(ShapeAt<decltype(c)::value>{}); });
 }
 
-// Calls f(Shape{}) with the shape for E, T and the pre function (route_shape_index).
+// Calls f(Shape{}) with the shape for E, T, the pre function and narrow_spec (route_shape_index).
 template <typename F>
-Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f, PreFn pre = PreFn::kNone) {
-  const int index = route_shape_index(num_experts, num_tokens, pre);
+Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f, PreFn pre = PreFn::kNone,
+                            bool narrow_spec = false) {
+  const int index = route_shape_index(num_experts, num_tokens, pre, narrow_spec);
   if (index < 0) {
     return Status::Unsupported("route: E = " + std::to_string(num_experts) +
                                " exceeds the CUDA backend's maximum of " +

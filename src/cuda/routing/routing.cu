@@ -289,13 +289,27 @@ constexpr std::int64_t kWarpForWideMinTokens = 1024;
 // E = 64 T = 4096 / 65536 3.51 / 22.9 against 3.13 / 19.6 (bf16 alike).
 template <class Shape>
 inline constexpr bool kNarrowSpecs = Shape::W < 32 && Shape::kMaxExperts >= 16;
+template <DType kDtype>
+using NarrowSoftmaxNormalize = Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>;
+template <DType kDtype>
+using NarrowSoftmax = Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNone>;
+template <DType kDtype>
+using NarrowNoneSoftmax = Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
 
 template <class Shape, DType kDtype>
 Status launch_route_narrow(const RouteParams& p, cudaStream_t stream) {
-  return launch_route_spec<Shape, false, Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
-                           Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNone>,
-                           Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>, SpecGeneric>(p,
-                                                                                                          stream);
+  return launch_route_spec<Shape, false, NarrowSoftmaxNormalize<kDtype>, NarrowSoftmax<kDtype>,
+                           NarrowNoneSoftmax<kDtype>, SpecGeneric>(p, stream);
+}
+
+// Whether one of launch_route_narrow's Specs serves p (route_shape_index's narrow_spec).
+template <DType kDtype>
+bool narrow_spec_matches_dtype(const RouteParams& p) {
+  return SpecTraits<NarrowSoftmaxNormalize<kDtype>>::matches(p) || SpecTraits<NarrowSoftmax<kDtype>>::matches(p) ||
+         SpecTraits<NarrowNoneSoftmax<kDtype>>::matches(p);
+}
+bool narrow_spec_matches(const RouteParams& p) {
+  return narrow_spec_matches_dtype<DType::kFloat32>(p) || narrow_spec_matches_dtype<DType::kBFloat16>(p);
 }
 
 template <class Shape>
@@ -395,7 +409,8 @@ Status route(const detail::RouteArgs& args, Stream stream) {
   if (routing::use_rows_kernel(p)) return launch_route_rows_for(p, stream);
   return routing::dispatch_route_shape(
       args.config.num_experts, args.num_tokens,
-      [&](auto shape) { return launch_route_shape<decltype(shape)>(p, stream); }, args.config.pre);
+      [&](auto shape) { return launch_route_shape<decltype(shape)>(p, stream); }, args.config.pre,
+      narrow_spec_matches(p));
 }
 
 }  // namespace switchyard::cuda

@@ -103,60 +103,10 @@ __device__ __forceinline__ void route_row_thread(const RouteParams& p, std::int6
 #pragma unroll
   for (int i = 0; i < NP; ++i) load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * i, E, true, fill, &v[4 * i]);
 
-  // 2. Pre-scores p (in v): route_warp's general code with W = 1.
-  SoftmaxRow sm{0.0f, 1.0f, 1.0f};
-  if (p.pre == PreFn::kSoftmax) {
-    float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
-#pragma unroll
-    for (int j = 0; j < kE; ++j) {
-      const bool f = finite(v[j]);
-      mx = f ? fmaxf(mx, v[j]) : mx;
-      mn = f ? fminf(mn, v[j]) : mn;
-    }
-    sm.m = mx;  // its sign when 0 does not matter: exp(x - (+-0)) == exp(x) for every x
-    float acc[NP];
-#pragma unroll
-    for (int a = 0; a < NP; ++a) acc[a] = 0.0f;
-    // exp(x) >= 2^-64 for x >= -44 keeps the divisions on their fast path (route_warp).
-    const bool fast = __fadd_rn(mn, -sm.m) >= -44.0f;
-    if (fast) {
-#pragma unroll
-      for (int j = 0; j < kE; ++j) {
-        const bool f = finite(v[j]);
-        const float e = exp_fast(__fadd_rn(v[j], -sm.m));
-        v[j] = f ? e : v[j];
-        acc[j / 4] = __fadd_rn(acc[j / 4], f ? e : 0.0f);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kE; ++j) {
-        const bool f = finite(v[j]);
-        v[j] = f ? exp_any(__fadd_rn(v[j], -sm.m)) : v[j];
-        acc[j / 4] = __fadd_rn(acc[j / 4], f ? v[j] : 0.0f);
-      }
-    }
-    sm.sum = softmax_row_sum<1>(acc);
-    sm.rcp = __frcp_rn(sm.sum);
-#pragma unroll
-    for (int j = 0; j < kE; ++j) {
-      const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);
-      v[j] = finite(v[j]) ? q : v[j];
-    }
-  } else if (p.pre == PreFn::kSigmoid) {
-    bool fast = true;  // a NaN logit fails the test
-#pragma unroll
-    for (int j = 0; j < kE; ++j) fast = fast && fabsf(v[j]) <= 86.5f;
-    if (fast) {
-#pragma unroll
-      for (int j = 0; j < kE; ++j) v[j] = sigmoid_fast(v[j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kE; ++j) v[j] = sigmoid_pre(v[j]);
-    }
-  } else if (p.pre == PreFn::kSqrtSoftplus) {
-#pragma unroll
-    for (int j = 0; j < kE; ++j) v[j] = pre_slow(PreFn::kSqrtSoftplus, v[j]);
-  }
+  // 2. Pre-scores p (in v): route_warp's general code with W = 1 (the partials (e / 4) % 32 of the
+  // canonical softmax layout are the NP accumulators; their butterfly is the oracle's, whose steps
+  // past NP add zeros).
+  const SoftmaxRow sm = pre_scores<1, NP>(p.pre, v);
 
   // 3. Selection keys of canonical(p (+ bias)); 0 past E.
   std::uint32_t key[kE];

@@ -720,6 +720,74 @@ __device__ __forceinline__ std::uint32_t segment_min(std::uint32_t v) {
   }
 }
 
+// Step 2 of route_warp, the general code (any values; no fast softmax): pre-scores p of a lane's V
+// values in place, softmax over the row's segment of W lanes whose NA accumulators hold the partials
+// (j / 4) % NA (softmax_row_sum). Returns the softmax constants ({0, 1, 1} for other pre functions).
+// The per-value math has a fast path (exp_fast, div_fast, rcp_normal) and a general one; softmax picks
+// it per row, sigmoid per lane, so that the general loops (one branch per value) only run where
+// extreme or non-finite logits occur.
+template <int W, int NA, int V>
+__device__ __forceinline__ SoftmaxRow pre_scores(PreFn pre, float (&v)[V]) {
+  SoftmaxRow sm{0.0f, 1.0f, 1.0f};
+  if (pre == PreFn::kSoftmax) {
+    float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const bool f = finite(v[j]);
+      mx = f ? fmaxf(mx, v[j]) : mx;
+      mn = f ? fminf(mn, v[j]) : mn;
+    }
+    sm.m = key_score(segment_max<W>(score_key(mx)));
+    float acc[NA];
+#pragma unroll
+    for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
+    // v becomes exp(v - m) for finite v and keeps non-finite v as is (exp results are finite,
+    // so finite(v) still tells the two apart afterwards). exp(x) >= 2^-64 for x >= -44, which
+    // keeps the division below on its fast path too. Rounding is monotone, so the smallest
+    // RN(v - m) of the lane is RN(mn - m); a lane without finite values has mn = +inf (and
+    // m <= mn whenever mn is finite), which passes.
+    const bool fast = __fadd_rn(mn, -sm.m) >= -44.0f;
+    if (fast) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const bool f = finite(v[j]);
+        const float e = exp_fast(__fadd_rn(v[j], -sm.m));
+        v[j] = f ? e : v[j];
+        acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? e : 0.0f);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const bool f = finite(v[j]);
+        v[j] = f ? exp_any(__fadd_rn(v[j], -sm.m)) : v[j];
+        acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? v[j] : 0.0f);
+      }
+    }
+    sm.sum = softmax_row_sum<W>(acc);
+    sm.rcp = __frcp_rn(sm.sum);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);
+      v[j] = finite(v[j]) ? q : v[j];
+    }
+  } else if (pre == PreFn::kSigmoid) {
+    bool fast = true;  // a NaN logit fails the test
+#pragma unroll
+    for (int j = 0; j < V; ++j) fast = fast && fabsf(v[j]) <= 86.5f;
+    if (fast) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = sigmoid_fast(v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = sigmoid_pre(v[j]);
+    }
+  } else if (pre == PreFn::kSqrtSoftplus) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = pre_slow(PreFn::kSqrtSoftplus, v[j]);
+  }
+  return sm;
+}
+
 // The last step of both fast softmax forms: v[j] = p = e / sum (e >= 2^-64, sum in [1, 4096]:
 // div_fast is exact) and its key. p >= 2^-76 > 0, so canonical_key(p) is p's bits with the sign
 // bit set; absent experts get key 0 from the caller.
@@ -1549,62 +1617,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     }
     keys_ready = softmax_done && p.bias == nullptr;
   }
-  if (p.pre == PreFn::kSoftmax && !softmax_done) {
-    float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const bool f = finite(v[j]);
-      mx = f ? fmaxf(mx, v[j]) : mx;
-      mn = f ? fminf(mn, v[j]) : mn;
-    }
-    sm.m = key_score(segment_max<W>(score_key(mx)));
-    float acc[NA];
-#pragma unroll
-    for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
-    // v becomes exp(v - m) for finite v and keeps non-finite v as is (exp results are finite,
-    // so finite(v) still tells the two apart afterwards). exp(x) >= 2^-64 for x >= -44, which
-    // keeps the division below on its fast path too. Rounding is monotone, so the smallest
-    // RN(v - m) of the lane is RN(mn - m); a lane without finite values has mn = +inf (and
-    // m <= mn whenever mn is finite), which passes.
-    const bool fast = __fadd_rn(mn, -sm.m) >= -44.0f;
-    if (fast) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const bool f = finite(v[j]);
-        const float e = exp_fast(__fadd_rn(v[j], -sm.m));
-        v[j] = f ? e : v[j];
-        acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? e : 0.0f);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const bool f = finite(v[j]);
-        v[j] = f ? exp_any(__fadd_rn(v[j], -sm.m)) : v[j];
-        acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? v[j] : 0.0f);
-      }
-    }
-    sm.sum = softmax_row_sum<W>(acc);
-    sm.rcp = __frcp_rn(sm.sum);
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);
-      v[j] = finite(v[j]) ? q : v[j];
-    }
-  } else if (p.pre == PreFn::kSigmoid) {
-    bool fast = true;  // a NaN logit fails the test
-#pragma unroll
-    for (int j = 0; j < V; ++j) fast = fast && fabsf(v[j]) <= 86.5f;
-    if (fast) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = sigmoid_fast(v[j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = sigmoid_pre(v[j]);
-    }
-  } else if (p.pre == PreFn::kSqrtSoftplus) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = pre_slow(PreFn::kSqrtSoftplus, v[j]);
-  }
+  if (!softmax_done) sm = pre_scores<W, NA>(p.pre, v);
 
   // Shared memory of the row: the group paths' (srow), then, with the packed buffers, the keys
   // (skey) and, with a bias, p for the weights (sp: the keys do not give it). p is stored here,

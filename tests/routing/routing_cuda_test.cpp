@@ -947,11 +947,10 @@ TEST(RoutingCuda, WarpForWideRows) {
 
 // Rows of up to 64 experts in each of their forms: a whole warp per row, narrow segments of one or
 // two stripes (route_warp.cuh's kShapeTable) and one thread per row (route_rows.cuh, E <= 16,
-// K <= 8), each forced at
-// every T through the SWITCHYARD_ROUTE_SMALL_E knob (rows past a form's reach take the default), then
-// the default forms on both sides of their token bounds. Every
-// rule family (softmax / none / sigmoid + bias pre functions, every post function, group limits where
-// E allows them), aligned rows (the specialised kernels) and odd strides (the generic one), K up to E
+// K <= 8), each forced at every T through the SWITCHYARD_ROUTE_SMALL_E knob (rows past a form's
+// reach take the default), then the default forms on both sides of their token bounds. Every rule
+// family (softmax / none / sigmoid + bias pre functions, every post function, group limits where E
+// allows them), aligned rows (the specialised kernels) and odd strides (the generic one), K up to E
 // (lanes with more picks than their buffer: lane-heavy and tied rows), special values.
 TEST(RoutingCuda, SmallExpertForms) {
   SY_SKIP_WITHOUT_GPU();
@@ -999,10 +998,9 @@ TEST(RoutingCuda, SmallExpertForms) {
   }
   // route_warp.cuh's kSmallWarpMaxTokens16 / 32 / 64 and kSmallNarrowMaxTokens64, route_rows.cuh's
   // kRowsMinTokens8 / 16 (- 1).
-  const std::pair<int, std::int64_t> bounds[] = {{4, 128},    {16, 128},   {17, 256},   {32, 256},
-                                                 {33, 1024},  {64, 1024},  {33, 32767}, {64, 32767},
-                                                 {5, 127},    {8, 127},    {9, 65535},  {16, 65535},
-                                                 {17, 65535}, {16, 70001}};
+  const std::pair<int, std::int64_t> bounds[] = {{4, 128},   {16, 128},   {17, 256},   {32, 256},  {33, 1024},
+                                                 {64, 1024}, {33, 32767}, {64, 32767}, {5, 127},   {8, 127},
+                                                 {9, 65535}, {16, 65535}, {17, 65535}, {16, 70001}};
   for (const auto& [E, bound] : bounds) {
     for (std::int64_t T : {bound, bound + 1}) {
       if (!run(E, std::min(E, 2 + i % 7), T)) return;

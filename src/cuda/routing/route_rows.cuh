@@ -14,7 +14,7 @@
 // A row, in one thread: the logits (vector loads where aligned; absent experts e >= E read -inf
 // for softmax, else 0, and get key 0, "not a candidate"), the pre function in route_warp's order
 // (softmax: max of the finite logits, exp into the canonical partials (e / 4) % 32, the butterfly
-// over them, which for E <= 64 is the in-register butterfly over the E / 4 nonzero partials, the
+// over them, which here is the in-register butterfly over the kE / 4 nonzero partials, the
 // exact division), the selection keys of canonical(p + bias), then a sorted buffer of the best
 // kK (key, expert) pairs, filled in ascending expert order with strict comparisons so that equal
 // keys keep the lower expert first: (key desc, expert asc), the oracle's order. p of a pick is
@@ -56,7 +56,7 @@ inline bool rows_kernel_fits(const RouteParams& p) {
 }
 
 // Whether the launcher takes route_rows for p: where it fits, from kRowsMinTokens8 / 16 rows on, or at
-// every T under SWITCHYARD_ROUTE_SMALL_E=rows (and never under =warp or =narrow).
+// every T under SWITCHYARD_ROUTE_SMALL_E=rows (and never under =warp, =narrow or =narrow2).
 inline bool use_rows_kernel(const RouteParams& p) {
   if (!rows_kernel_fits(p)) return false;
   const SmallRowForm form = small_row_form_knob();
@@ -88,7 +88,8 @@ __device__ __forceinline__ void store_pack(T* dst, const T (&x)[N]) {
 template <int kE, int kK>
 __device__ __forceinline__ void route_row_thread(const RouteParams& p, std::int64_t row) {
   using namespace dev;
-  static_assert(kE % 4 == 0 && ((kE / 4) & (kE / 4 - 1)) == 0 && kE / 4 <= 32, "kE / 4: a power of two <= 32");
+  static_assert(kE % 4 == 0 && ((kE / 4) & (kE / 4 - 1)) == 0 && kE / 4 <= 32,
+                "kE / 4: a power of two <= 32");
   static_assert(kK >= 1 && kK <= kE, "buffer depth");
   constexpr int NP = kE / 4;  // nonzero softmax partials
   const int E = p.num_experts;
@@ -101,7 +102,8 @@ __device__ __forceinline__ void route_row_thread(const RouteParams& p, std::int6
   const float fill = p.pre == PreFn::kSoftmax ? neg_inf() : 0.0f;
   float v[kE];
 #pragma unroll
-  for (int i = 0; i < NP; ++i) load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * i, E, true, fill, &v[4 * i]);
+  for (int i = 0; i < NP; ++i)
+    load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * i, E, true, fill, &v[4 * i]);
 
   // 2. Pre-scores p (in v): route_warp's general code with W = 1 (the partials (e / 4) % 32 of the
   // canonical softmax layout are the NP accumulators; their butterfly is the oracle's, whose steps

@@ -305,8 +305,8 @@ Status launch_route_narrow(const RouteParams& p, cudaStream_t stream) {
 // Whether one of launch_route_narrow's Specs serves p (route_shape_index's narrow_spec).
 template <DType kDtype>
 bool narrow_spec_matches_dtype(const RouteParams& p) {
-  return SpecTraits<NarrowSoftmaxNormalize<kDtype>>::matches(p) || SpecTraits<NarrowSoftmax<kDtype>>::matches(p) ||
-         SpecTraits<NarrowNoneSoftmax<kDtype>>::matches(p);
+  return SpecTraits<NarrowSoftmaxNormalize<kDtype>>::matches(p) ||
+         SpecTraits<NarrowSoftmax<kDtype>>::matches(p) || SpecTraits<NarrowNoneSoftmax<kDtype>>::matches(p);
 }
 bool narrow_spec_matches(const RouteParams& p) {
   return narrow_spec_matches_dtype<DType::kFloat32>(p) || narrow_spec_matches_dtype<DType::kBFloat16>(p);

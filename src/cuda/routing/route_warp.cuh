@@ -35,8 +35,9 @@
 //       see Top-K below); route_warp_wide: the same buffers up to E = 2048.
 //
 // DESIGN
-//   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64, fewer for E <= 64 so
-//   that one warp routes 32 / W rows; see kShapeTable). Lane l of a segment owns the experts
+//   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64 and for E <= 64 at small T,
+//   fewer for E <= 64 otherwise so that one warp routes 32 / W rows; see kShapeTable; rows of
+//   <= 16 experts at large T take route_rows.cuh instead). Lane l of a segment owns the experts
 //   e = 4*W*i + 4*l + c (stripe i < S, c < 4): four consecutive experts per stripe, so fp32
 //   loads are float4 (8-byte loads for bf16/fp16). With W = 32 this is exactly the canonical
 //   softmax layout of routing.h (partial j = (e / 4) % 32 is lane j); with W < 32 a lane holds

@@ -121,6 +121,18 @@ inline double measure_copy_bandwidth() {
   return memcpy_bw > kernel_bw ? memcpy_bw : kernel_bw;
 }
 
+// The non-empty comma-separated parts of s ("a,,b" -> {"a", "b"}).
+inline std::vector<std::string> comma_parts(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t pos = 0;
+  while (pos < s.size()) {
+    const std::size_t end = std::min(s.find(',', pos), s.size());
+    if (end > pos) out.push_back(s.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return out;
+}
+
 // SY_BENCH_TOKENS="4096,65536" restricts a benchmark to those token counts, so that a profiler
 // (ncu -c 1) sees the point of interest first; unset or empty: every point. bench_routing takes any
 // counts from it (token_list); the other benches only select among their own (token_selected).
@@ -128,13 +140,9 @@ inline std::vector<std::int64_t> token_list(const std::vector<std::int64_t>& def
   const char* env = std::getenv("SY_BENCH_TOKENS");
   if (env == nullptr || *env == '\0') return defaults;
   std::vector<std::int64_t> out;
-  const std::string list = env;
-  std::size_t pos = 0;
-  while (pos < list.size()) {
-    const std::size_t end = std::min(list.find(',', pos), list.size());
-    const long long v = std::atoll(list.substr(pos, end - pos).c_str());
+  for (const std::string& part : comma_parts(env)) {
+    const long long v = std::atoll(part.c_str());
     if (v > 0) out.push_back(v);
-    pos = end + 1;
   }
   return out;
 }
@@ -142,8 +150,8 @@ inline std::vector<std::int64_t> token_list(const std::vector<std::int64_t>& def
 inline bool token_selected(std::int64_t tokens) {
   const char* env = std::getenv("SY_BENCH_TOKENS");
   if (env == nullptr || *env == '\0') return true;
-  const std::string list = std::string(",") + env + ",";
-  return list.find("," + std::to_string(tokens) + ",") != std::string::npos;
+  const std::vector<std::string> parts = comma_parts(env);
+  return std::find(parts.begin(), parts.end(), std::to_string(tokens)) != parts.end();
 }
 
 inline std::string device_name() {

@@ -144,12 +144,8 @@ bool alloc(void** p, std::size_t bytes) {
 // True when filter is empty or one of its comma-separated parts occurs in name.
 bool name_selected(const std::string& name, const std::string& filter) {
   if (filter.empty()) return true;
-  std::size_t pos = 0;
-  while (pos <= filter.size()) {
-    const std::size_t end = std::min(filter.find(',', pos), filter.size());
-    const std::string part = filter.substr(pos, end - pos);
-    if (!part.empty() && name.find(part) != std::string::npos) return true;
-    pos = end + 1;
+  for (const std::string& part : sy_bench::comma_parts(filter)) {
+    if (name.find(part) != std::string::npos) return true;
   }
   return false;
 }

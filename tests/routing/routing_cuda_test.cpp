@@ -945,10 +945,12 @@ TEST(RoutingCuda, WarpForWideRows) {
   }
 }
 
-// Rows of up to 64 experts in each of their forms: a whole warp per row, narrow segments of one or
-// two stripes (route_warp.cuh's kShapeTable) and one thread per row (route_rows.cuh, E <= 16,
-// K <= 8), each forced at every T through the SWITCHYARD_ROUTE_SMALL_E knob (rows past a form's
-// reach take the default), then the default forms on both sides of their token bounds. Every rule
+// Rows of up to 128 experts in each of their forms: a whole warp per row, narrow segments of one,
+// two or four stripes (route_warp.cuh's kShapeTable), on packed candidate buffers (2 <= K <= W) and
+// on plain ones (SWITCHYARD_ROUTE_NARROW_PACKED=0, and K past W), and one thread per row
+// (route_rows.cuh, E <= 16, K <= 8), each forced at every T through the SWITCHYARD_ROUTE_SMALL_E
+// knob (rows past a form's reach take the default), then the default forms on both sides of their
+// token bounds. Every rule
 // family (softmax / none / sigmoid + bias pre functions, every post function, group limits where E
 // allows them), aligned rows (the specialised kernels) and odd strides (the generic one), K up to E
 // (lanes with more picks than their buffer: lane-heavy and tied rows), special values.
@@ -987,25 +989,37 @@ TEST(RoutingCuda, SmallExpertForms) {
     return (i % 4 == 3) ? check_varied(c, i) : check_aligned(c, i);
   };
   const std::int64_t ts[] = {1, 5, 33, 200, 1500};
-  for (const char* form : {"warp", "narrow", "narrow2", "rows"}) {
+  const std::pair<const char*, const char*> forms[] = {{"warp", "1"},    {"narrow", "1"}, {"narrow", "0"},
+                                                       {"narrow2", "1"}, {"narrow2", "0"}, {"rows", "1"}};
+  for (const auto& [form, packed] : forms) {
     const ScopedEnv knob("SWITCHYARD_ROUTE_SMALL_E", form);
-    for (int E : {2, 3, 4, 5, 8, 11, 16, 17, 24, 32, 40, 60, 64}) {
-      for (int K : {1, 2, 3, 4, 5, 7, 8, 16}) {
+    const ScopedEnv packed_knob("SWITCHYARD_ROUTE_NARROW_PACKED", packed);
+    for (int E : {2, 3, 4, 5, 8, 11, 16, 17, 24, 32, 40, 60, 64, 65, 96, 100, 128}) {
+      for (int K : {1, 2, 3, 4, 5, 7, 8, 9, 16}) {
         if (K > E) continue;
         if (!run(E, K, ts[i % 5])) return;
       }
     }
   }
-  // route_warp.cuh's kSmallWarpMaxTokens16 / 32 / 64 and kSmallNarrowMaxTokens64, route_rows.cuh's
+  // route_warp.cuh's kSmallWarpMaxTokens16 / 32 / 64, kSmallNarrowMaxTokens64 and
+  // kDeepBufferMaxTokens128 (65-128 experts: narrow packed segments past it), route_rows.cuh's
   // kRowsMinTokens8 / 16 (- 1).
-  const std::pair<int, std::int64_t> bounds[] = {{4, 128},   {16, 128},   {17, 256},   {32, 256},  {33, 1024},
+  const std::pair<int, std::int64_t> bounds[] = {{4, 128},   {16, 128},   {17, 256},  {32, 256},   {33, 1024},
                                                  {64, 1024}, {33, 32767}, {64, 32767}, {5, 127},   {8, 127},
-                                                 {9, 65535}, {16, 65535}, {17, 65535}, {16, 70001}};
+                                                 {9, 65535}, {16, 65535}, {17, 65535}, {16, 70001}, {128, 4096},
+                                                 {72, 4096}};
   for (const auto& [E, bound] : bounds) {
     for (std::int64_t T : {bound, bound + 1}) {
       if (!run(E, std::min(E, 2 + i % 7), T)) return;
     }
   }
+  // Past that bound, 65-128 experts: K = 1 (whole warp, plain pass), K = W of the narrow packed form
+  // (16), K past it (whole warp); and a large T on the packed form.
+  for (int K : {1, 16, 17, 32}) {
+    if (!run(128, K, 5000 + K)) return;
+  }
+  if (!run(128, 8, 40000)) return;
+  if (!run(97, 4, 16411)) return;
 }
 
 // A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied

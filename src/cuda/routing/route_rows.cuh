@@ -57,9 +57,9 @@ inline bool rows_kernel_fits(const RouteParams& p) {
 
 // Whether the launcher takes route_rows for p: where it fits, from kRowsMinTokens8 / 16 rows on, or at
 // every T under SWITCHYARD_ROUTE_SMALL_E=rows (and never under =warp, =narrow or =narrow2).
-inline bool use_rows_kernel(const RouteParams& p) {
+// `form` is route()'s small_row_form_knob().
+inline bool use_rows_kernel(const RouteParams& p, SmallRowForm form) {
   if (!rows_kernel_fits(p)) return false;
-  const SmallRowForm form = small_row_form_knob();
   const std::int64_t min_tokens = p.num_experts <= 8 ? kRowsMinTokens8 : kRowsMinTokens16;
   return form == SmallRowForm::kRows || (form == SmallRowForm::kAuto && p.num_tokens >= min_tokens);
 }
@@ -136,20 +136,9 @@ __device__ __forceinline__ void route_row_thread(const RouteParams& p, std::int6
     bk[d] = 0u;
     be[d] = 0;
   }
+  std::uint32_t unused_next = 0u;  // buffer_insert's largest key left out: not needed here
 #pragma unroll
-  for (int j = 0; j < kE; ++j) {
-    const std::uint32_t x = key[j];
-    bool gt[kK];
-#pragma unroll
-    for (int d = 0; d < kK; ++d) gt[d] = x > bk[d];
-#pragma unroll
-    for (int d = kK - 1; d >= 1; --d) {
-      bk[d] = gt[d - 1] ? bk[d - 1] : (gt[d] ? x : bk[d]);
-      be[d] = gt[d - 1] ? be[d - 1] : (gt[d] ? j : be[d]);
-    }
-    bk[0] = gt[0] ? x : bk[0];
-    be[0] = gt[0] ? j : be[0];
-  }
+  for (int j = 0; j < kE; ++j) buffer_insert<kK>(bk, be, unused_next, key[j], j);
 
   // 5. Weights (finish_row's arithmetic, one lane holding every pick).
   bool fin[kK];

@@ -5,9 +5,9 @@
 // STABLE INTERFACE (other kernels call it; keep these signatures):
 //
 //   RouteParams make_route_params(const detail::RouteArgs& args);            // host
-//   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f,
-//                               PreFn pre = PreFn::kNone, bool narrow_spec = false);  // host
-//       calls f(Shape{}) with the RouteShape<W, S, D> for E, T and the pre function
+//   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, int top_k, F&& f,
+//                               PreFn pre, bool narrow_spec, SmallRowForm forced);  // host
+//       calls f(Shape{}) with the RouteShape<W, S, D> for E, T, K and the pre function
 //       (route_shape_index), returns its Status; Unsupported past kMaxGpuExperts.
 //   std::size_t route_smem_bytes_per_warp<Shape, bool kPackedTopK = true>(const RouteParams& p);
 //       host: dynamic shared memory each warp of route_warp<Shape, ..., kPackedTopK> must own
@@ -32,7 +32,9 @@
 //   warp (W = 32, any S) without a group limit, holding one batch of stripes in registers instead
 //   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
 //   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 1024, any K;
-//       see Top-K below); route_warp_wide: the same buffers up to E = 2048.
+//       narrow segments with 2 <= W < 32 for kNarrowPackedMinK <= K <= W only, which the caller
+//       must ensure: narrow_packed_fits; see Top-K below); route_warp_wide: the same buffers up to
+//       E = 2048.
 //
 // DESIGN
 //   Layout. A row is served by W lanes (a "segment"; W = 32 for E > 64 and for E <= 64 at small T,
@@ -260,10 +262,16 @@ inline constexpr std::int64_t kSmallWarpMaxTokens64 = 1024;
 // four (W = 2 or 4) slower still.
 inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 32767;
 
+// Narrow segments take packed candidate buffers for K >= this (kNarrowPacked; as routing.cu's
+// kPackedMinK for whole-warp rows).
+inline constexpr int kNarrowPackedMinK = 2;
+
 struct ShapeEntry {
   int max_experts, w, s, d;
   std::int64_t max_tokens;          // rows served
   std::int64_t max_tokens_softmax;  // rows served when the pre function is softmax
+  // Serves only rows that fit its packed narrow form (narrow_packed_fits: kNarrowPackedMinK <= K <= w).
+  bool packed_only = false;
 };
 // D = 4 = all 4 values of a lane up to E = 64: several of a row's picks in one lane are common
 // there, and a full buffer makes the top-K fast pass exact without the check. (With D = 2 the
@@ -282,6 +290,8 @@ inline constexpr ShapeEntry kShapeTable[] = {
     {64, 16, 1, 4, kSmallNarrowMaxTokens64, kSmallNarrowMaxTokens64},
     {64, 8, 2, 4, kAnyTokens, kAnyTokens},
     {128, 32, 1, 3, kDeepBufferMaxTokens128, kDeepBufferMaxTokens128},
+    {128, 16, 2, 3, kAnyTokens, kAnyTokens, true},
+    {128, 8, 4, 4, kAnyTokens, kAnyTokens, true},
     {128, 32, 1, 2, kAnyTokens, kAnyTokens},
     {256, 32, 2, 3, kDeepBufferMaxTokens, kDeepBufferMaxTokensSoftmax},
     {256, 32, 2, 2, kAnyTokens, kAnyTokens},
@@ -303,17 +313,19 @@ inline constexpr int kNumShapes = sizeof(kShapeTable) / sizeof(kShapeTable[0]);
 template <int I>
 using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>;
 
-// How rows of up to 64 experts are laid out: a whole warp per row (kShapeTable's W = 32), narrow
-// segments (W < 32, several rows per warp) of one stripe or (33-64 experts from
-// kSmallNarrowMaxTokens64 rows on) two, or one thread per row (route_rows.cuh, outside the table).
+// How rows of up to 128 experts are laid out: a whole warp per row (kShapeTable's W = 32), narrow
+// segments (W < 32, several rows per warp) of one stripe or two or more (narrow2: S = 2; narrow:
+// S = 1, or S = 4 at 65-128 experts), or one thread per row (route_rows.cuh, outside the table).
 enum class SmallRowForm { kAuto, kWarp, kNarrow, kNarrow2, kRows };
 inline SmallRowForm shape_form(const ShapeEntry& e) {
   return e.w == 32 ? SmallRowForm::kWarp : e.s == 2 ? SmallRowForm::kNarrow2 : SmallRowForm::kNarrow;
 }
+inline constexpr int kFormKnobMaxExperts = 128;
 
-// SWITCHYARD_ROUTE_SMALL_E=warp|narrow|narrow2|rows (environment, read per call) forces that form for rows
-// of up to 64 experts at every T (rows: where route_rows fits, else the default): a testing knob
-// (tests and same-call A/B runs reach every form), not needed for correct results.
+// SWITCHYARD_ROUTE_SMALL_E=warp|narrow|narrow2|rows (environment, read once per call by route())
+// forces that form for rows of up to kFormKnobMaxExperts experts at every T (rows: where route_rows
+// fits, else the default): a testing knob (tests and same-call A/B runs reach every form), not needed
+// for correct results.
 inline SmallRowForm small_row_form_knob() {
   const char* v = std::getenv("SWITCHYARD_ROUTE_SMALL_E");
   if (v == nullptr) return SmallRowForm::kAuto;
@@ -324,23 +336,46 @@ inline SmallRowForm small_row_form_knob() {
   return SmallRowForm::kAuto;
 }
 
-// Index in kShapeTable for E, T and the pre function, or -1 when E is past the table. narrow_spec:
+// SWITCHYARD_ROUTE_NARROW_PACKED=0 (environment, read once per call by route()) keeps narrow
+// segments on plain candidate buffers even where the packed ones fit: a testing and A/B knob.
+inline bool narrow_packed_knob() {
+  const char* v = std::getenv("SWITCHYARD_ROUTE_NARROW_PACKED");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// The choices route() makes on the host, once per call, for the launchers.
+struct RouteChoice {
+  SmallRowForm form = SmallRowForm::kAuto;  // small_row_form_knob
+  bool narrow_packed = true;                // narrow_packed_knob
+};
+
+// Index in kShapeTable for E, T, K and the pre function, or -1 when E is past the table. narrow_spec:
 // the rule has specialised narrow kernels (routing.cu's narrow_spec_matches); rows of 9-32 experts
-// then skip the whole-warp entries (kSmallWarpMaxTokens16 / 32).
-inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre = PreFn::kNone,
-                             bool narrow_spec = false) {
-  const SmallRowForm forced = num_experts <= 64 ? small_row_form_knob() : SmallRowForm::kAuto;
-  if (forced != SmallRowForm::kAuto) {
+// then skip the whole-warp entries (kSmallWarpMaxTokens16 / 32). A forced form (small_row_form_knob)
+// takes the first entry of that form whose T bound holds, else the first of that form (among the
+// entries of up to 64 experts when E <= 64); it ignores packed_only (a narrow shape then falls back to
+// plain buffers where K does not fit).
+inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre, bool narrow_spec, int top_k,
+                             SmallRowForm forced) {
+  const auto tokens_fit = [&](const ShapeEntry& e) {
+    return num_tokens <= (pre == PreFn::kSoftmax ? e.max_tokens_softmax : e.max_tokens);
+  };
+  if (forced != SmallRowForm::kAuto && num_experts <= kFormKnobMaxExperts) {
+    int first = -1;
     for (int i = 0; i < kNumShapes; ++i) {
-      if (num_experts <= kShapeTable[i].max_experts && shape_form(kShapeTable[i]) == forced) return i;
+      const ShapeEntry& e = kShapeTable[i];
+      if (num_experts > e.max_experts || shape_form(e) != forced) continue;
+      if (num_experts <= 64 && e.max_experts > 64) continue;
+      if (tokens_fit(e)) return i;
+      if (first < 0) first = i;
     }
+    if (first >= 0) return first;
   }
   for (int i = 0; i < kNumShapes; ++i) {
     const ShapeEntry& e = kShapeTable[i];
     if (narrow_spec && num_experts > 8 && e.w == 32 && e.max_experts <= 32) continue;
-    if (num_experts <= e.max_experts &&
-        num_tokens <= (pre == PreFn::kSoftmax ? e.max_tokens_softmax : e.max_tokens))
-      return i;
+    if (e.packed_only && !(top_k >= kNarrowPackedMinK && top_k <= e.w)) continue;
+    if (num_experts <= e.max_experts && tokens_fit(e)) return i;
   }
   return -1;
 }
@@ -351,11 +386,12 @@ Status dispatch_route_shape_impl(int index, F&& f, std::integer_sequence<int, I.
                               [&](auto c) { return f(ShapeAt<decltype(c)::value>{}); });
 }
 
-// Calls f(Shape{}) with the shape for E, T, the pre function and narrow_spec (route_shape_index).
+// Calls f(Shape{}) with the shape for E, T, K, the pre function, narrow_spec and the forced form
+// (route_shape_index).
 template <typename F>
-Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, F&& f, PreFn pre = PreFn::kNone,
-                            bool narrow_spec = false) {
-  const int index = route_shape_index(num_experts, num_tokens, pre, narrow_spec);
+Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, int top_k, F&& f, PreFn pre,
+                            bool narrow_spec, SmallRowForm forced) {
+  const int index = route_shape_index(num_experts, num_tokens, pre, narrow_spec, top_k, forced);
   if (index < 0) {
     return Status::Unsupported("route: E = " + std::to_string(num_experts) +
                                " exceeds the CUDA backend's maximum of " +
@@ -450,13 +486,24 @@ __host__ __device__ __forceinline__ std::size_t route_group_smem_bytes(const Rou
 // E = 1024 (past 512 only rows with a group limit reach route_warp: routing.cu).
 template <class Shape>
 inline constexpr bool kPackedBuffers = Shape::W == 32 && Shape::S <= 8;
+// Narrow segments (2 <= W < 32) on packed candidate buffers: route_warp with kPackedTopK, for rows
+// of kNarrowPackedMinK <= K <= W only (narrow_packed_fits; the launcher's choice).
+template <class Shape>
+inline constexpr bool kNarrowPacked = Shape::W >= 2 && Shape::W < 32;
+template <class Shape>
+inline bool narrow_packed_fits(int top_k) {
+  return kNarrowPacked<Shape> && top_k >= kNarrowPackedMinK && top_k <= Shape::W;
+}
+// route_warp keeps packed buffers (kPackedTopK) on these shapes.
+template <class Shape>
+inline constexpr bool kRowPackedBuffers = kPackedBuffers<Shape> || kNarrowPacked<Shape>;
 
 // Shared memory of one routed row: the group paths', then, for the packed candidate buffers of
 // whole-warp rows up to E = 1024 (see select_top_k_packed; kPackedTopK), the row's selection keys
 // and, with a bias, its p.
 template <class Shape, bool kPackedTopK = true>
 __host__ __device__ __forceinline__ std::size_t route_smem_bytes_per_row(const RouteParams& p) {
-  constexpr bool keys = kPackedTopK && kPackedBuffers<Shape>;
+  constexpr bool keys = kPackedTopK && kRowPackedBuffers<Shape>;
   const std::size_t per_expert = !keys ? 0 : p.bias != nullptr ? 8 : 4;  // key (and p with a bias)
   return route_group_smem_bytes<Shape>(p) + per_expert * Shape::kMaxExperts;
 }
@@ -1131,16 +1178,17 @@ __device__ __forceinline__ std::uint32_t packed_key(std::uint32_t key, std::uint
 // every T.)
 inline constexpr int kPackedMinK = 2;
 
-// The packed top-K rounds of a whole-warp row (select_top_k_packed):
-// K rounds of one redux.sync max over the lanes' packed heads bp[0]; the winner (a row's packed
-// keys are distinct) pops its head. Returns the packed key of pick sl (0 in lanes sl >= K).
-template <int D>
+// The packed top-K rounds of a row (select_top_k_packed): K <= W rounds of one segment max over the
+// lanes' packed heads bp[0] (a redux.sync for a whole warp, a shuffle butterfly in a narrow
+// segment); the winner (a row's packed keys are distinct) pops its head. Returns the packed key of
+// pick sl (0 in lanes sl >= K).
+template <int W, int D>
 __device__ __forceinline__ std::uint32_t packed_rounds(int K, int sl, std::uint32_t (&bp)[D]) {
   std::uint32_t my_pm = 0u;
 #pragma unroll
-  for (int r = 0; r < 32; ++r) {
+  for (int r = 0; r < W; ++r) {
     if (r >= K) break;  // uniform
-    const std::uint32_t pm = __reduce_max_sync(kFullMask, bp[0]);
+    const std::uint32_t pm = segment_max<W>(bp[0]);
     if (sl == r) my_pm = pm;
     if (bp[0] == pm) {
 #pragma unroll
@@ -1384,39 +1432,51 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 template <class Shape, bool kSortRepair, class FullKey, class Refill>
 __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, std::uint32_t (&bp)[Shape::D],
                                                     std::uint32_t pnext, bool bucket_exact,
-                                                    const FullKey& full_key, std::uint32_t (&pick_key)[1],
-                                                    int (&pick_e)[1], bool keys_needed,
+                                                    const FullKey& full_key,
+                                                    std::uint32_t (&pick_key)[Shape::kSlots],
+                                                    int (&pick_e)[Shape::kSlots], bool keys_needed,
                                                     const Refill& refill) {
-  constexpr int D = Shape::D;
+  constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
   constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-  static_assert(kPackedKeys<Shape> && Shape::kSlots == 1, "whole-warp rows, E <= 2048");
-  const std::uint32_t my_pm = packed_rounds<D>(K, sl, bp);  // packed key of pick sl
+  static_assert(kPackedKeys<Shape> || kNarrowPacked<Shape>, "whole-warp rows up to E = 2048, or narrow segments");
+  // K <= W (the launcher's narrow_packed_fits for narrow segments; always true with W = 32): pick k
+  // lives in lane k of the segment, slot 0.
+  const std::uint32_t my_pm = packed_rounds<W, D>(K, sl, bp);  // packed key of pick sl
   const bool has = sl < K;
   const bool real = has && my_pm > kIdx;  // not a round in which every lane was dry
   const int e = static_cast<int>(kIdx - (my_pm & kIdx));
+#pragma unroll
+  for (int s = 1; s < SL; ++s) {
+    pick_key[s] = 0u;
+    pick_e[s] = 0;
+  }
   pick_e[0] = has ? e : 0;
   // Without the key fetch below a pick keeps its bucket: finish_row then only asks whether it is
   // finite (it takes p from the logit when there is a bias), and the bucket of a finite key is
   // finite too (the keys of +-inf are whole buckets).
   pick_key[0] = real ? my_pm & ~kIdx : 0u;
-  const std::uint32_t last_bucket = __shfl_sync(kFullMask, my_pm, K - 1) & ~kIdx;
+  const std::uint32_t last_bucket = __shfl_sync(kFullMask, my_pm, K - 1, W) & ~kIdx;
   const bool dry = bp[0] <= kIdx;
-  const std::uint32_t hm_bucket = __reduce_max_sync(kFullMask, dry ? pnext : 0u) & ~kIdx;
-  bool exact = hm_bucket >= last_bucket;  // also when the last round found every lane dry
+  const std::uint32_t hm_bucket = segment_max<W>(dry ? pnext : 0u) & ~kIdx;
+  // Also when the last round found every lane dry. Warp-uniform (the exact rounds shuffle over the
+  // whole warp): with narrow segments, one row's doubt sends every row of the warp there, which is
+  // exact for the others too (they redo rounds they had right).
+  bool exact = hm_bucket >= last_bucket;
+  if constexpr (W < 32) exact = __any_sync(kFullMask, exact);
   bool collided = false;
   bool unordered = false;  // picks of one bucket above the last pick's out of key order
   if (bucket_exact) {
     pick_key[0] = real ? bucket_key<Shape>(my_pm) : 0u;
   } else {
-    const std::uint32_t pn = __shfl_down_sync(kFullMask, my_pm, 1);
+    const std::uint32_t pn = __shfl_down_sync(kFullMask, my_pm, 1, W);
     const bool pair_shared = sl + 1 < K && ((my_pm ^ pn) & ~kIdx) == 0u;
     const bool head_in_last = !dry && (bp[0] & ~kIdx) == last_bucket;
     const bool suspect = __any_sync(kFullMask, pair_shared || head_in_last);
     if (keys_needed || suspect || exact) pick_key[0] = real ? full_key(e) : 0u;  // uniform
     if (suspect) {                                                               // uniform
       const std::uint32_t f = pick_key[0];
-      const std::uint32_t last_mk = __shfl_sync(kFullMask, f, K - 1);
-      const std::uint32_t fn = __shfl_down_sync(kFullMask, f, 1);
+      const std::uint32_t last_mk = __shfl_sync(kFullMask, f, K - 1, W);
+      const std::uint32_t fn = __shfl_down_sync(kFullMask, f, 1, W);
       // Two neighbouring picks of one bucket with different keys. In the last pick's bucket the
       // exact rounds run. Above it only their order can be wrong: the rounds take every candidate of
       // a bucket before any of a lower one, so a bucket above the last pick's is all picks; sorting
@@ -1625,7 +1685,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   // while v still holds it (later v would stay live through the group step).
   unsigned char* srow =
       warp_smem == nullptr ? nullptr : warp_smem + seg * route_smem_bytes_per_row<Shape, kPackedTopK>(p);
-  constexpr bool packed = kPackedTopK && kPackedBuffers<Shape>;
+  constexpr bool packed = kPackedTopK && kRowPackedBuffers<Shape>;
   const float* sp = nullptr;
   if constexpr (packed) {
     if (p.bias != nullptr) {

@@ -185,8 +185,10 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
 }
 
 // The kernel of SpecT: for wide rows, the one with packed candidate buffers where SpecT is a
-// specialisation and routing::wide_packed_buffers(p) asks for them, else the one with plain buffers.
-template <class Shape, class SpecT, bool kWide>
+// specialisation and routing::wide_packed_buffers(p) asks for them, else the one with plain buffers;
+// otherwise route_warp's, with kPackedTopK = kPacked (narrow segments: the caller checked
+// routing::narrow_packed_fits).
+template <class Shape, class SpecT, bool kWide, bool kPacked = true>
 Status launch_route_for(const RouteParams& p, cudaStream_t stream) {
   if constexpr (kWide) {
     if constexpr (kSpecialised<SpecT>) {
@@ -194,28 +196,37 @@ Status launch_route_for(const RouteParams& p, cudaStream_t stream) {
     }
     return launch_route<Shape, SpecT, true, false>(p, stream);
   } else {
-    return launch_route<Shape, SpecT, false>(p, stream);
+    return launch_route<Shape, SpecT, false, kPacked>(p, stream);
   }
 }
 
 // Launches the first of the kernels Specs... whose Spec matches p into *status and returns true;
-// false (nothing launched) when none matches. kWide: the wide-row kernels.
+// false (nothing launched) when none matches. kWide: the wide-row kernels; kPacked: as for
+// launch_route_for.
+template <class Shape, bool kWide, bool kPacked, class... Specs>
+bool launch_first_match_packed(const RouteParams& p, cudaStream_t stream, Status* status) {
+  return ((SpecTraits<Specs>::matches(p) &&
+           (*status = launch_route_for<Shape, Specs, kWide, kPacked>(p, stream), true)) ||
+          ...);
+}
 template <class Shape, bool kWide, class... Specs>
 bool launch_first_match(const RouteParams& p, cudaStream_t stream, Status* status) {
-  return (
-      (SpecTraits<Specs>::matches(p) && (*status = launch_route_for<Shape, Specs, kWide>(p, stream), true)) ||
-      ...);
+  return launch_first_match_packed<Shape, kWide, true, Specs...>(p, stream, status);
 }
 
 // The first of the kernels Specs... whose Spec matches p; the last one is SpecGeneric, which always
 // does.
-template <class Shape, bool kWide, class... Specs>
-Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
+template <class Shape, bool kWide, bool kPacked, class... Specs>
+Status launch_route_spec_packed(const RouteParams& p, cudaStream_t stream) {
   static_assert(std::is_same_v<std::tuple_element_t<sizeof...(Specs) - 1, std::tuple<Specs...>>, SpecGeneric>,
                 "the generic kernel comes last");
   Status status = Status::Ok();
-  launch_first_match<Shape, kWide, Specs...>(p, stream, &status);
+  launch_first_match_packed<Shape, kWide, kPacked, Specs...>(p, stream, &status);
   return status;
+}
+template <class Shape, bool kWide, class... Specs>
+Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
+  return launch_route_spec_packed<Shape, kWide, true, Specs...>(p, stream);
 }
 
 // The specialised configurations (model families of DESIGN.md section 2), for fp32 and bf16
@@ -296,10 +307,10 @@ using NarrowSoftmax = Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostF
 template <DType kDtype>
 using NarrowNoneSoftmax = Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
 
-template <class Shape, DType kDtype>
+template <class Shape, DType kDtype, bool kPacked>
 Status launch_route_narrow(const RouteParams& p, cudaStream_t stream) {
-  return launch_route_spec<Shape, false, NarrowSoftmaxNormalize<kDtype>, NarrowSoftmax<kDtype>,
-                           NarrowNoneSoftmax<kDtype>, SpecGeneric>(p, stream);
+  return launch_route_spec_packed<Shape, false, kPacked, NarrowSoftmaxNormalize<kDtype>, NarrowSoftmax<kDtype>,
+                                  NarrowNoneSoftmax<kDtype>, SpecGeneric>(p, stream);
 }
 
 // Whether one of launch_route_narrow's Specs serves p (route_shape_index's narrow_spec).
@@ -312,8 +323,17 @@ bool narrow_spec_matches(const RouteParams& p) {
   return narrow_spec_matches_dtype<DType::kFloat32>(p) || narrow_spec_matches_dtype<DType::kBFloat16>(p);
 }
 
+// Narrow segments on packed candidate buffers (route_warp.cuh's kNarrowPacked) where K fits them
+// (2 <= K <= W) and the knob allows it: K rounds of one shuffle butterfly over packed keys instead of
+// two (key, then expert), and five min / max per value for the buffer insert instead of compares and
+// selects on a key and an expert.
 template <class Shape>
-Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
+bool use_narrow_packed(const RouteParams& p, const routing::RouteChoice& choice) {
+  return choice.narrow_packed && routing::narrow_packed_fits<Shape>(p.top_k);
+}
+
+template <class Shape>
+Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {
     if (p.group_path == routing::kGroupNone) {
       // Up to E = 1024 (kPackedBuffers) and from kWarpForWideMinTokens rows on, the specialised
@@ -351,10 +371,19 @@ Status launch_route_shape(const RouteParams& p, cudaStream_t stream) {
       return launch_route_dtype<Shape, DType::kBFloat16>(p, stream);
   }
   if constexpr (kNarrowSpecs<Shape>) {
-    if (p.logits_dtype == static_cast<int>(DType::kFloat32))
-      return launch_route_narrow<Shape, DType::kFloat32>(p, stream);
-    if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
-      return launch_route_narrow<Shape, DType::kBFloat16>(p, stream);
+    const bool packed = use_narrow_packed<Shape>(p, choice);
+    if (p.logits_dtype == static_cast<int>(DType::kFloat32)) {
+      return packed ? launch_route_narrow<Shape, DType::kFloat32, true>(p, stream)
+                    : launch_route_narrow<Shape, DType::kFloat32, false>(p, stream);
+    }
+    if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) {
+      return packed ? launch_route_narrow<Shape, DType::kBFloat16, true>(p, stream)
+                    : launch_route_narrow<Shape, DType::kBFloat16, false>(p, stream);
+    }
+  }
+  if constexpr (routing::kNarrowPacked<Shape>) {
+    if (use_narrow_packed<Shape>(p, choice)) return launch_route<Shape, SpecGeneric, false, true>(p, stream);
+    return launch_route<Shape, SpecGeneric, false, false>(p, stream);
   }
   return launch_route<Shape, SpecGeneric>(p, stream);
 }
@@ -406,11 +435,14 @@ Status route(const detail::RouteArgs& args, Stream stream) {
                                " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
   }
   const RouteParams p = routing::make_route_params(args);
-  if (routing::use_rows_kernel(p)) return launch_route_rows_for(p, stream);
+  routing::RouteChoice choice;  // the testing knobs, read once per call
+  choice.form = routing::small_row_form_knob();
+  choice.narrow_packed = routing::narrow_packed_knob();
+  if (routing::use_rows_kernel(p, choice.form)) return launch_route_rows_for(p, stream);
   return routing::dispatch_route_shape(
-      args.config.num_experts, args.num_tokens,
-      [&](auto shape) { return launch_route_shape<decltype(shape)>(p, stream); }, args.config.pre,
-      narrow_spec_matches(p));
+      args.config.num_experts, args.num_tokens, args.config.top_k,
+      [&](auto shape) { return launch_route_shape<decltype(shape)>(p, choice, stream); }, args.config.pre,
+      narrow_spec_matches(p), choice.form);
 }
 
 }  // namespace switchyard::cuda

@@ -1002,24 +1002,23 @@ TEST(RoutingCuda, SmallExpertForms) {
     }
   }
   // route_warp.cuh's kSmallWarpMaxTokens16 / 32 / 64, kSmallNarrowMaxTokens64 and
-  // kDeepBufferMaxTokens128 (65-128 experts: narrow packed segments past it), route_rows.cuh's
+  // kNarrowMinTokens128 (- 1; 65-128 experts: narrow packed segments from it on), route_rows.cuh's
   // kRowsMinTokens8 / 16 (- 1).
   const std::pair<int, std::int64_t> bounds[] = {{4, 128},   {16, 128},   {17, 256},  {32, 256},   {33, 1024},
                                                  {64, 1024}, {33, 32767}, {64, 32767}, {5, 127},   {8, 127},
-                                                 {9, 65535}, {16, 65535}, {17, 65535}, {16, 70001}, {128, 4096},
-                                                 {72, 4096}};
+                                                 {9, 65535}, {16, 65535}, {17, 65535}, {16, 70001}, {128, 32767},
+                                                 {72, 32767}};
   for (const auto& [E, bound] : bounds) {
     for (std::int64_t T : {bound, bound + 1}) {
       if (!run(E, std::min(E, 2 + i % 7), T)) return;
     }
   }
   // Past that bound, 65-128 experts: K = 1 (whole warp, plain pass), K = W of the narrow packed form
-  // (16), K past it (whole warp); and a large T on the packed form.
-  for (int K : {1, 16, 17, 32}) {
-    if (!run(128, K, 5000 + K)) return;
+  // (8), K past it (whole warp).
+  for (int K : {1, 8, 9, 32}) {
+    if (!run(128, K, 32768 + 97 * K)) return;
   }
-  if (!run(128, 8, 40000)) return;
-  if (!run(97, 4, 16411)) return;
+  if (!run(97, 4, 40961)) return;
 }
 
 // A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied

@@ -203,7 +203,8 @@ struct RoutedPicks {
 // used.
 // Up to E = 64 a row is small: past a few thousand rows (kSmallWarpMaxTokens16 / 64) narrow segments
 // let one shuffle serve 32 / W rows, and route_rows one thread a row; past E = 64 a row gets the
-// whole warp (W = 32): each lane then holds only E / 32 values (8 for E = 256), so
+// whole warp (W = 32; but 65-128 experts with 2 <= K <= 8 take narrow packed segments of 8 lanes from
+// kNarrowMinTokens128 rows on): each lane then holds only E / 32 values (8 for E = 256), so
 // the kernels need 40-64 registers and run at high occupancy, the segment reductions are single
 // redux.sync instructions, and a lone row's serial work is short. (Narrower segments for
 // 64 <= E <= 576 at large T held 24-36 values per lane: ncu showed 105 registers, 25% occupancy
@@ -261,6 +262,15 @@ inline constexpr std::int64_t kSmallWarpMaxTokens64 = 1024;
 // 7.90 / 11.32 / 19.6. Two stripes were slower at every T at E = 32 (65536 13.6 / 19.6 specialised),
 // four (W = 2 or 4) slower still.
 inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 32767;
+// Rows of 65-128 experts with 2 <= K <= 8 from which narrow segments of 8 lanes (4 stripes, 16 values
+// a lane, 4 rows a warp) on packed buffers of depth 4 replace the whole warp: a quarter of the K
+// rounds and of the per-row work (weights, stores, addressing) per row, for a longer serial row.
+// Measured on the H200 (us, same call, two runs, whole warp / W = 8 / W = 16 with 2 stripes and
+// depth 3; session 19): qwen3-235b fp32 T = 8192 / 16384 / 32768 / 65536 4.89 / 7.91 / 13.5 / 25.0
+// against 5.72 / 9.64 / 12.4 / 20.1 and 5.67 / 8.05 / 13.1 / 23.3 (bf16 65536 24.0 / 21.5 / 23.3),
+// gpt-oss-120b (K = 4) 3.99 / 6.68 / 11.6 / 21.4 against 4.65 / 7.68 / 10.2 / 17.0 and 4.33 / 6.24 /
+// 10.8 / 19.3. So the whole warp stays up to 32767 rows and W = 16 is not used.
+inline constexpr std::int64_t kNarrowMinTokens128 = 32768;
 
 // Narrow segments take packed candidate buffers for K >= this (kNarrowPacked; as routing.cu's
 // kPackedMinK for whole-warp rows).
@@ -290,7 +300,7 @@ inline constexpr ShapeEntry kShapeTable[] = {
     {64, 16, 1, 4, kSmallNarrowMaxTokens64, kSmallNarrowMaxTokens64},
     {64, 8, 2, 4, kAnyTokens, kAnyTokens},
     {128, 32, 1, 3, kDeepBufferMaxTokens128, kDeepBufferMaxTokens128},
-    {128, 16, 2, 3, kAnyTokens, kAnyTokens, true},
+    {128, 32, 1, 2, kNarrowMinTokens128 - 1, kNarrowMinTokens128 - 1},
     {128, 8, 4, 4, kAnyTokens, kAnyTokens, true},
     {128, 32, 1, 2, kAnyTokens, kAnyTokens},
     {256, 32, 2, 3, kDeepBufferMaxTokens, kDeepBufferMaxTokensSoftmax},

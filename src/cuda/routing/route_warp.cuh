@@ -6,7 +6,7 @@
 //
 //   RouteParams make_route_params(const detail::RouteArgs& args);            // host
 //   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, int top_k, F&& f,
-//                               PreFn pre, bool narrow_spec, SmallRowForm forced);  // host
+//                               PreFn pre, bool narrow_spec, const RouteChoice& choice);  // host
 //       calls f(Shape{}) with the RouteShape<W, S, D> for E, T, K and the pre function
 //       (route_shape_index), returns its Status; Unsupported past kMaxGpuExperts.
 //   std::size_t route_smem_bytes_per_warp<Shape, bool kPackedTopK = true>(const RouteParams& p);
@@ -247,7 +247,8 @@ inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::ma
 // against 2.48 / 2.50 / 2.53 / 2.68 (bf16 alike); at T = 1 / 16 / 128 dbrx fp32 1.70 / 1.78 / 1.85
 // against 1.67 / 1.65 / 1.76, E = 32 bf16 2.19 / 2.29 / 2.36 against 2.14 / 2.10 / 2.21 (fp32 equal),
 // E = 64 fp32 2.13 / 2.22 / 2.29 against 2.36 / 2.38 / 2.45. So rules with a narrow Spec skip the
-// whole warp for 9-32 experts (route_shape_index's narrow_spec); the others keep these bounds: on
+// whole warp for 9-32 experts (route_shape_index's narrow_spec; since session 19's narrow packed
+// buffers also for 33-64 experts where K fits them); the others keep these bounds: on
 // the generic narrow kernel dbrx's rule took 2.09-2.30 us at T = 1-2048, 0.1-0.4 us more than the
 // whole warp.
 inline constexpr std::int64_t kSmallWarpMaxTokens16 = 128;
@@ -361,12 +362,22 @@ struct RouteChoice {
 
 // Index in kShapeTable for E, T, K and the pre function, or -1 when E is past the table. narrow_spec:
 // the rule has specialised narrow kernels (routing.cu's narrow_spec_matches); rows of 9-32 experts
-// then skip the whole-warp entries (kSmallWarpMaxTokens16 / 32). A forced form (small_row_form_knob)
+// then skip the whole-warp entries (kSmallWarpMaxTokens16 / 32), and so do rows of 33-64 experts whose
+// K fits the narrow packed buffers of 16 lanes (kSmallWarpMaxTokens64; not with
+// SWITCHYARD_ROUTE_NARROW_PACKED=0). Measured on the H200 (E = 64 K = 8 softmax, us, same call, two
+// runs, whole warp / narrow packed; session 19): fp32 T = 1 / 16 / 128 / 256 / 512 / 1024 2.09 / 2.18 /
+// 2.24 / 2.24 / 2.33 / 2.40 against 1.87 / 1.85 / 1.92 / 1.94 / 1.96 / 2.00, bf16 2.15 / 2.26 / 2.32 /
+// 2.34 / 2.53 / 2.48 against 1.91 / 1.92 / 2.09 / 2.03-2.11 / 2.21 / 2.17-2.25. A forced form (small_row_form_knob)
 // takes the first entry of that form whose T bound holds, else the first of that form (among the
 // entries of up to 64 experts when E <= 64); it ignores packed_only (a narrow shape then falls back to
 // plain buffers where K does not fit).
 inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre, bool narrow_spec, int top_k,
-                             SmallRowForm forced) {
+                             const RouteChoice& choice) {
+  const SmallRowForm forced = choice.form;
+  // Rows whose whole-warp entries of up to this many experts a narrow Spec replaces.
+  const int narrow_spec_max = !narrow_spec ? 0
+                              : choice.narrow_packed && top_k >= kNarrowPackedMinK && top_k <= 16 ? 64
+                                                                                                  : 32;
   const auto tokens_fit = [&](const ShapeEntry& e) {
     return num_tokens <= (pre == PreFn::kSoftmax ? e.max_tokens_softmax : e.max_tokens);
   };
@@ -383,7 +394,7 @@ inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre
   }
   for (int i = 0; i < kNumShapes; ++i) {
     const ShapeEntry& e = kShapeTable[i];
-    if (narrow_spec && num_experts > 8 && e.w == 32 && e.max_experts <= 32) continue;
+    if (num_experts > 8 && e.w == 32 && e.max_experts <= narrow_spec_max) continue;
     if (e.packed_only && !(top_k >= kNarrowPackedMinK && top_k <= e.w)) continue;
     if (num_experts <= e.max_experts && tokens_fit(e)) return i;
   }
@@ -396,12 +407,12 @@ Status dispatch_route_shape_impl(int index, F&& f, std::integer_sequence<int, I.
                               [&](auto c) { return f(ShapeAt<decltype(c)::value>{}); });
 }
 
-// Calls f(Shape{}) with the shape for E, T, K, the pre function, narrow_spec and the forced form
+// Calls f(Shape{}) with the shape for E, T, K, the pre function, narrow_spec and the knobs' choice
 // (route_shape_index).
 template <typename F>
 Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, int top_k, F&& f, PreFn pre,
-                            bool narrow_spec, SmallRowForm forced) {
-  const int index = route_shape_index(num_experts, num_tokens, pre, narrow_spec, top_k, forced);
+                            bool narrow_spec, const RouteChoice& choice) {
+  const int index = route_shape_index(num_experts, num_tokens, pre, narrow_spec, top_k, choice);
   if (index < 0) {
     return Status::Unsupported("route: E = " + std::to_string(num_experts) +
                                " exceeds the CUDA backend's maximum of " +

@@ -445,7 +445,7 @@ Status route(const detail::RouteArgs& args, Stream stream) {
   return routing::dispatch_route_shape(
       args.config.num_experts, args.num_tokens, args.config.top_k,
       [&](auto shape) { return launch_route_shape<decltype(shape)>(p, choice, stream); }, args.config.pre,
-      narrow_spec_matches(p), choice.form);
+      narrow_spec_matches(p), choice);
 }
 
 }  // namespace switchyard::cuda

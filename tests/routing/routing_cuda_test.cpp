@@ -989,7 +989,7 @@ TEST(RoutingCuda, SmallExpertForms) {
     return (i % 4 == 3) ? check_varied(c, i) : check_aligned(c, i);
   };
   const std::int64_t ts[] = {1, 5, 33, 200, 1500};
-  const std::pair<const char*, const char*> forms[] = {{"warp", "1"},    {"narrow", "1"}, {"narrow", "0"},
+  const std::pair<const char*, const char*> forms[] = {{"warp", "1"},    {"narrow", "1"},  {"narrow", "0"},
                                                        {"narrow2", "1"}, {"narrow2", "0"}, {"rows", "1"}};
   for (const auto& [form, packed] : forms) {
     const ScopedEnv knob("SWITCHYARD_ROUTE_SMALL_E", form);
@@ -1004,10 +1004,9 @@ TEST(RoutingCuda, SmallExpertForms) {
   // route_warp.cuh's kSmallWarpMaxTokens16 / 32 / 64, kSmallNarrowMaxTokens64 and
   // kNarrowMinTokens128 (- 1; 65-128 experts: narrow packed segments from it on), route_rows.cuh's
   // kRowsMinTokens8 / 16 (- 1).
-  const std::pair<int, std::int64_t> bounds[] = {{4, 128},   {16, 128},   {17, 256},  {32, 256},   {33, 1024},
-                                                 {64, 1024}, {33, 32767}, {64, 32767}, {5, 127},   {8, 127},
-                                                 {9, 65535}, {16, 65535}, {17, 65535}, {16, 70001}, {128, 32767},
-                                                 {72, 32767}};
+  const std::pair<int, std::int64_t> bounds[] = {
+      {4, 128}, {16, 128}, {17, 256},  {32, 256},   {33, 1024},  {64, 1024},  {33, 32767},  {64, 32767},
+      {5, 127}, {8, 127},  {9, 65535}, {16, 65535}, {17, 65535}, {16, 70001}, {128, 32767}, {72, 32767}};
   for (const auto& [E, bound] : bounds) {
     for (std::int64_t T : {bound, bound + 1}) {
       if (!run(E, std::min(E, 2 + i % 7), T)) return;

@@ -274,14 +274,17 @@ inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 32767;
 inline constexpr std::int64_t kNarrowMinTokens128 = 32768;
 
 // Narrow segments take packed candidate buffers for K >= this (kNarrowPacked; as routing.cu's
-// kPackedMinK for whole-warp rows).
+// kPackedMinK for whole-warp rows) and K <= W (pick k in lane k).
 inline constexpr int kNarrowPackedMinK = 2;
+inline constexpr bool narrow_packed_k(int top_k, int w) { return top_k >= kNarrowPackedMinK && top_k <= w; }
+// Lanes of the narrow segments of 33-64 experts below kSmallNarrowMaxTokens64 rows.
+inline constexpr int kSmallNarrowLanes64 = 16;
 
 struct ShapeEntry {
   int max_experts, w, s, d;
   std::int64_t max_tokens;          // rows served
   std::int64_t max_tokens_softmax;  // rows served when the pre function is softmax
-  // Serves only rows that fit its packed narrow form (narrow_packed_fits: kNarrowPackedMinK <= K <= w).
+  // Serves only rows that fit its packed narrow form (narrow_packed_k(K, w)).
   bool packed_only = false;
 };
 // D = 4 = all 4 values of a lane up to E = 64: several of a row's picks in one lane are common
@@ -298,7 +301,7 @@ inline constexpr ShapeEntry kShapeTable[] = {
     {32, 32, 1, 4, kSmallWarpMaxTokens32, kSmallWarpMaxTokens32},
     {32, 8, 1, 4, kAnyTokens, kAnyTokens},
     {64, 32, 1, 4, kSmallWarpMaxTokens64, kSmallWarpMaxTokens64},
-    {64, 16, 1, 4, kSmallNarrowMaxTokens64, kSmallNarrowMaxTokens64},
+    {64, kSmallNarrowLanes64, 1, 4, kSmallNarrowMaxTokens64, kSmallNarrowMaxTokens64},
     {64, 8, 2, 4, kAnyTokens, kAnyTokens},
     {128, 32, 1, 3, kDeepBufferMaxTokens128, kDeepBufferMaxTokens128},
     {128, 32, 1, 2, kNarrowMinTokens128 - 1, kNarrowMinTokens128 - 1},
@@ -363,21 +366,20 @@ struct RouteChoice {
 // Index in kShapeTable for E, T, K and the pre function, or -1 when E is past the table. narrow_spec:
 // the rule has specialised narrow kernels (routing.cu's narrow_spec_matches); rows of 9-32 experts
 // then skip the whole-warp entries (kSmallWarpMaxTokens16 / 32), and so do rows of 33-64 experts whose
-// K fits the narrow packed buffers of 16 lanes (kSmallWarpMaxTokens64; not with
+// K fits the narrow packed buffers of kSmallNarrowLanes64 lanes (kSmallWarpMaxTokens64; not with
 // SWITCHYARD_ROUTE_NARROW_PACKED=0). Measured on the H200 (E = 64 K = 8 softmax, us, same call, two
 // runs, whole warp / narrow packed; session 19): fp32 T = 1 / 16 / 128 / 256 / 512 / 1024 2.09 / 2.18 /
 // 2.24 / 2.24 / 2.33 / 2.40 against 1.87 / 1.85 / 1.92 / 1.94 / 1.96 / 2.00, bf16 2.15 / 2.26 / 2.32 /
-// 2.34 / 2.53 / 2.48 against 1.91 / 1.92 / 2.09 / 2.03-2.11 / 2.21 / 2.17-2.25. A forced form (small_row_form_knob)
-// takes the first entry of that form whose T bound holds, else the first of that form (among the
-// entries of up to 64 experts when E <= 64); it ignores packed_only (a narrow shape then falls back to
-// plain buffers where K does not fit).
+// 2.34 / 2.53 / 2.48 against 1.91 / 1.92 / 2.09 / 2.03-2.11 / 2.21 / 2.17-2.25. A forced form
+// (small_row_form_knob) takes the first entry of that form whose T bound holds, else the first of that
+// form (among the entries of up to 64 experts when E <= 64); it ignores packed_only (a narrow shape
+// then falls back to plain buffers where K does not fit).
 inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre, bool narrow_spec, int top_k,
                              const RouteChoice& choice) {
   const SmallRowForm forced = choice.form;
   // Rows whose whole-warp entries of up to this many experts a narrow Spec replaces.
-  const int narrow_spec_max = !narrow_spec ? 0
-                              : choice.narrow_packed && top_k >= kNarrowPackedMinK && top_k <= 16 ? 64
-                                                                                                  : 32;
+  const bool packed64 = choice.narrow_packed && narrow_packed_k(top_k, kSmallNarrowLanes64);
+  const int narrow_spec_max = !narrow_spec ? 0 : packed64 ? 64 : 32;
   const auto tokens_fit = [&](const ShapeEntry& e) {
     return num_tokens <= (pre == PreFn::kSoftmax ? e.max_tokens_softmax : e.max_tokens);
   };
@@ -395,7 +397,7 @@ inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre
   for (int i = 0; i < kNumShapes; ++i) {
     const ShapeEntry& e = kShapeTable[i];
     if (num_experts > 8 && e.w == 32 && e.max_experts <= narrow_spec_max) continue;
-    if (e.packed_only && !(top_k >= kNarrowPackedMinK && top_k <= e.w)) continue;
+    if (e.packed_only && !narrow_packed_k(top_k, e.w)) continue;
     if (num_experts <= e.max_experts && tokens_fit(e)) return i;
   }
   return -1;
@@ -513,7 +515,7 @@ template <class Shape>
 inline constexpr bool kNarrowPacked = Shape::W >= 2 && Shape::W < 32;
 template <class Shape>
 inline bool narrow_packed_fits(int top_k) {
-  return kNarrowPacked<Shape> && top_k >= kNarrowPackedMinK && top_k <= Shape::W;
+  return kNarrowPacked<Shape> && narrow_packed_k(top_k, Shape::W);
 }
 // route_warp keeps packed buffers (kPackedTopK) on these shapes.
 template <class Shape>
@@ -1459,7 +1461,8 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
                                                     const Refill& refill) {
   constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
   constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-  static_assert(kPackedKeys<Shape> || kNarrowPacked<Shape>, "whole-warp rows up to E = 2048, or narrow segments");
+  static_assert(kPackedKeys<Shape> || kNarrowPacked<Shape>,
+                "whole-warp rows up to E = 2048, or narrow segments");
   // K <= W (the launcher's narrow_packed_fits for narrow segments; always true with W = 32): pick k
   // lives in lane k of the segment, slot 0.
   const std::uint32_t my_pm = packed_rounds<W, D>(K, sl, bp);  // packed key of pick sl

@@ -309,8 +309,8 @@ using NarrowNoneSoftmax = Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, Post
 
 template <class Shape, DType kDtype, bool kPacked>
 Status launch_route_narrow(const RouteParams& p, cudaStream_t stream) {
-  return launch_route_spec_packed<Shape, false, kPacked, NarrowSoftmaxNormalize<kDtype>, NarrowSoftmax<kDtype>,
-                                  NarrowNoneSoftmax<kDtype>, SpecGeneric>(p, stream);
+  return launch_route_spec_packed<Shape, false, kPacked, NarrowSoftmaxNormalize<kDtype>,
+                                  NarrowSoftmax<kDtype>, NarrowNoneSoftmax<kDtype>, SpecGeneric>(p, stream);
 }
 
 // Whether one of launch_route_narrow's Specs serves p (route_shape_index's narrow_spec).

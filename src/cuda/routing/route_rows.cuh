@@ -154,33 +154,22 @@ __device__ __forceinline__ void route_row_thread(const RouteParams& p, std::int6
     }
   }
   float w[kK];
+  float term[kK];
+  float sum = 0.0f;  // k order; a non-finite pick adds +0, which is exact (sum is never -0)
   if (p.post == PostFn::kSoftmax) {
     float m = neg_inf();
 #pragma unroll
     for (int k = 0; k < kK; ++k) m = fin[k] ? fmaxf(m, pv[k]) : m;
-    float term[kK];
-    float sum = 0.0f;  // k order; a non-finite pick adds +0, which is exact (sum is never -0)
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
       term[k] = fin[k] ? exp_any(__fadd_rn(pv[k], -m)) : 0.0f;
       sum = __fadd_rn(sum, term[k]);
     }
-#pragma unroll
-    for (int k = 0; k < kK; ++k) w[k] = fin[k] ? __fmul_rn(__fdiv_rn(term[k], sum), p.scale) : 0.0f;
   } else if (p.post == PostFn::kNormalize) {
-    float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < kK; ++k) sum = __fadd_rn(sum, fin[k] ? pv[k] : 0.0f);
-    const float denom = __fadd_rn(sum, 1e-20f);
-#pragma unroll
-    for (int k = 0; k < kK; ++k) w[k] = fin[k] ? __fmul_rn(__fdiv_rn(pv[k], denom), p.scale) : 0.0f;
-  } else if (p.post == PostFn::kSigmoid) {
-#pragma unroll
-    for (int k = 0; k < kK; ++k) w[k] = fin[k] ? __fmul_rn(sigmoid_pre(pv[k]), p.scale) : 0.0f;
-  } else {
-#pragma unroll
-    for (int k = 0; k < kK; ++k) w[k] = fin[k] ? __fmul_rn(pv[k], p.scale) : 0.0f;
   }
+  post_weights_from_sum<kK>(p.post, fin, pv, term, sum, p.scale, w);
 
   // 6. Outputs: one or two 8- / 16-byte stores each for int32 ids and fp32 weights when K == kK and
   // the arrays are aligned (a row's K values are then aligned too); else one store per value.
@@ -197,20 +186,7 @@ __device__ __forceinline__ void route_row_thread(const RouteParams& p, std::int6
 #pragma unroll
   for (int k = 0; k < kK; ++k) {
     if (k >= K) break;  // uniform
-    if (p.topk_ids != nullptr) {
-      if (p.ids_int64) {
-        static_cast<std::int64_t*>(p.topk_ids)[out + k] = be[k];
-      } else {
-        static_cast<std::int32_t*>(p.topk_ids)[out + k] = be[k];
-      }
-    }
-    if (p.topk_weights != nullptr) {
-      if (p.weights_bf16) {
-        static_cast<std::uint16_t*>(p.topk_weights)[out + k] = detail::float_to_bf16(w[k]);
-      } else {
-        static_cast<float*>(p.topk_weights)[out + k] = w[k];
-      }
-    }
+    store_pick(p, out + k, be[k], w[k]);
   }
 }
 

@@ -1528,6 +1528,48 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   }
 }
 
+// The last step of the post functions (oracle: detail::post_weights) for N picks a lane holds: w[i]
+// from p (pv), the softmax terms (term: exp(p - max)) and the picks' sum in k order (softmax: of
+// term; normalize: of p), times scale; 0 for a pick that is not finite (fin). Shared by finish_row
+// and route_rows.
+template <int N>
+__device__ __forceinline__ void post_weights_from_sum(PostFn post, const bool (&fin)[N], const float (&pv)[N],
+                                                      const float (&term)[N], float sum, float scale,
+                                                      float (&w)[N]) {
+  if (post == PostFn::kSoftmax) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = fin[i] ? __fmul_rn(__fdiv_rn(term[i], sum), scale) : 0.0f;
+  } else if (post == PostFn::kNormalize) {
+    const float denom = __fadd_rn(sum, 1e-20f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = fin[i] ? __fmul_rn(__fdiv_rn(pv[i], denom), scale) : 0.0f;
+  } else if (post == PostFn::kSigmoid) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = fin[i] ? __fmul_rn(sigmoid_pre(pv[i]), scale) : 0.0f;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = fin[i] ? __fmul_rn(pv[i], scale) : 0.0f;
+  }
+}
+
+// Stores one pick (expert e, weight w) at index `out` of topk_ids / topk_weights in their dtypes.
+__device__ __forceinline__ void store_pick(const RouteParams& p, std::int64_t out, int e, float w) {
+  if (p.topk_ids != nullptr) {
+    if (p.ids_int64) {
+      static_cast<std::int64_t*>(p.topk_ids)[out] = e;
+    } else {
+      static_cast<std::int32_t*>(p.topk_ids)[out] = e;
+    }
+  }
+  if (p.topk_weights != nullptr) {
+    if (p.weights_bf16) {
+      static_cast<std::uint16_t*>(p.topk_weights)[out] = detail::float_to_bf16(w);
+    } else {
+      static_cast<float*>(p.topk_weights)[out] = w;
+    }
+  }
+}
+
 // Steps 6 and 7 of route_warp: the weights of the picks from their p (oracle:
 // detail::post_weights, sums in k order), then the outputs of the row (lane sl of its segment).
 // A pick's p comes from its key, or, where that does not give it (a bias; +-0 without a pre
@@ -1557,8 +1599,9 @@ __device__ __forceinline__ void finish_row(const RouteParams& p, int K, std::int
     }
   }
   float w[SL];
+  float term[SL];
+  float sum = 0.0f;
   if (p.post == PostFn::kSoftmax || p.post == PostFn::kNormalize) {
-    float term[SL];
     float m = 0.0f;
     if (p.post == PostFn::kSoftmax) {
       float lm = neg_inf();
@@ -1575,7 +1618,6 @@ __device__ __forceinline__ void finish_row(const RouteParams& p, int K, std::int
     // for a non-finite pick and for k >= K (fin is false there): so the terms are gathered 8 at
     // a time (slot and source lane are compile-time, the shuffles' latencies overlap) and all 8
     // are added, in k order, for each block of 8 that starts below K.
-    float sum = 0.0f;
 #pragma unroll
     for (int k0 = 0; k0 < SL * W; k0 += 8) {
       if (k0 >= K) break;  // uniform
@@ -1590,42 +1632,14 @@ __device__ __forceinline__ void finish_row(const RouteParams& p, int K, std::int
         if (k0 + j < SL * W) sum = __fadd_rn(sum, t[j]);
       }
     }
-    if (p.post == PostFn::kSoftmax) {
-#pragma unroll
-      for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(__fdiv_rn(term[s], sum), p.scale) : 0.0f;
-    } else {
-      const float denom = __fadd_rn(sum, 1e-20f);
-#pragma unroll
-      for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(__fdiv_rn(pv[s], denom), p.scale) : 0.0f;
-    }
-  } else if (p.post == PostFn::kSigmoid) {
-#pragma unroll
-    for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(sigmoid_pre(pv[s]), p.scale) : 0.0f;
-  } else {
-#pragma unroll
-    for (int s = 0; s < SL; ++s) w[s] = fin[s] ? __fmul_rn(pv[s], p.scale) : 0.0f;
   }
+  post_weights_from_sum<SL>(p.post, fin, pv, term, sum, p.scale, w);
 
   // Outputs.
   if (row_ok) {
 #pragma unroll
     for (int s = 0; s < SL; ++s) {
-      if (!has[s]) continue;
-      const std::int64_t out = row * K + s * W + sl;
-      if (p.topk_ids != nullptr) {
-        if (p.ids_int64) {
-          static_cast<std::int64_t*>(p.topk_ids)[out] = pick_e[s];
-        } else {
-          static_cast<std::int32_t*>(p.topk_ids)[out] = pick_e[s];
-        }
-      }
-      if (p.topk_weights != nullptr) {
-        if (p.weights_bf16) {
-          static_cast<std::uint16_t*>(p.topk_weights)[out] = detail::float_to_bf16(w[s]);
-        } else {
-          static_cast<float*>(p.topk_weights)[out] = w[s];
-        }
-      }
+      if (has[s]) store_pick(p, row * K + s * W + sl, pick_e[s], w[s]);
     }
   }
   if (picks != nullptr) {

@@ -1020,6 +1020,72 @@ TEST(RoutingCuda, SmallExpertForms) {
   if (!run(97, 4, 40961)) return;
 }
 
+// Streamed narrow segments (route_warp.cuh's use_stream: route_warp_wide with 8 lanes a row, 4 rows a
+// warp, packed buffers of depth 4) for sigmoid + fp32 bias -> normalize, 129-1024 experts, 2 <= K <= 8,
+// fp32 / bf16 logits (aligned rows: routing.cu's stream Specs), forced at every T through
+// SWITCHYARD_ROUTE_STREAM=1 (T not a multiple of 4: rows past T in the last warp), then the default
+// on both sides of kStreamMinTokens; every input kind (near-tied and hidden-in-bucket rows reach the
+// packed buffers' checks, lane-heavy and tied rows the exact rounds with their rescans). Rows the
+// form does not serve (K = 1 / 9, a group limit, fp16 logits, odd strides) must take the other kernels
+// under the knob too.
+TEST(RoutingCuda, StreamedNarrowRows) {
+  SY_SKIP_WITHOUT_GPU();
+  const Kind kinds[] = {Kind::kNearTied, Kind::kHiddenInBucket, Kind::kLaneHeavy, Kind::kTied,
+                        Kind::kSpecial,  Kind::kNormal,         Kind::kNegative,  Kind::kWide};
+  const std::int64_t ts[] = {1, 3, 6, 37, 301, 1027};
+  int i = 0;
+  {
+    const ScopedEnv knob("SWITCHYARD_ROUTE_STREAM", "1");
+    for (int E : {129, 160, 200, 256, 257, 384, 500, 512, 513, 576, 640, 896, 1000, 1024}) {
+      for (int K : {2, 3, 5, 8}) {
+        for (int rep = 0; rep < 2; ++rep) {
+          Case c;
+          c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+          c.bias = true;
+          c.T = ts[i % 6];
+          c.kind = kinds[i % 8];
+          c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+          if (!check_aligned(c, i)) return;
+        }
+      }
+    }
+    // Not served by the form: the other kernels, under the knob.
+    for (int E : {160, 384, 896}) {
+      for (int K : {1, 9, 8}) {
+        Case c;
+        c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+        c.bias = true;
+        c.T = 301;
+        c.kind = kinds[i % 8];
+        if (K == 8) {  // a group limit, or fp16 logits, or an odd stride (the generic kernels)
+          if (E % 8 == 0 && i % 2 == 0) {
+            c.config.group_rule = GroupRule::kTop2Sum;
+            c.config.n_group = 8;
+            c.config.topk_group = 4;
+          } else {
+            c.logits_dtype = DType::kFloat16;
+          }
+          if (!check_varied(c, i)) return;
+        } else if (!check_aligned(c, i)) {
+          return;
+        }
+      }
+    }
+  }
+  // The default: kStreamMinTokens (4096) - 1 and 4096 rows.
+  for (int E : {160, 384, 576}) {
+    for (std::int64_t T : {4095, 4096}) {
+      Case c;
+      c.config = make_config(E, 8, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+      c.bias = true;
+      c.T = T;
+      c.kind = kinds[i % 8];
+      c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+      if (!check_aligned(c, i)) return;
+    }
+  }
+}
+
 // A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied
 // into the same buffers; each replay is compared with the CPU oracle.
 TEST(RoutingCuda, GraphReplayWithNewInputs) {

@@ -357,11 +357,41 @@ inline bool narrow_packed_knob() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+// Streamed narrow segments (route_warp_wide with W = kStreamLanes < 32; routing.cu's
+// launch_route_stream): rows of kStreamMinExperts + 1 .. kStreamMaxExperts experts without a group
+// limit and narrow_packed_k(K, kStreamLanes), from kStreamMinTokens rows on, for the rules of
+// routing.cu's stream Specs. A lane streams its stripes of the row (no row in registers), so 32 / W
+// rows share each warp-wide step of the top-K rounds and the checks.
+inline constexpr int kStreamLanes = 8;
+inline constexpr int kStreamMinExperts = 128;
+inline constexpr int kStreamMaxExperts = 1024;
+inline constexpr std::int64_t kStreamMinTokens = 4096;
+inline bool stream_fits(int num_experts, int top_k, int group_path) {
+  return group_path == kGroupNone && num_experts > kStreamMinExperts && num_experts <= kStreamMaxExperts &&
+         narrow_packed_k(top_k, kStreamLanes);
+}
+// SWITCHYARD_ROUTE_STREAM=0|1 (environment, read once per call by route()): 0 never takes the
+// streamed narrow segments, 1 takes them wherever they fit (any T); unset or other values: from
+// kStreamMinTokens rows on. A testing and A/B knob.
+enum class StreamChoice { kAuto, kNever, kAlways };
+inline StreamChoice stream_knob() {
+  const char* v = std::getenv("SWITCHYARD_ROUTE_STREAM");
+  if (v == nullptr) return StreamChoice::kAuto;
+  if (std::strcmp(v, "0") == 0) return StreamChoice::kNever;
+  if (std::strcmp(v, "1") == 0) return StreamChoice::kAlways;
+  return StreamChoice::kAuto;
+}
+
 // The choices route() makes on the host, once per call, for the launchers.
 struct RouteChoice {
-  SmallRowForm form = SmallRowForm::kAuto;  // small_row_form_knob
-  bool narrow_packed = true;                // narrow_packed_knob
+  SmallRowForm form = SmallRowForm::kAuto;   // small_row_form_knob
+  bool narrow_packed = true;                 // narrow_packed_knob
+  StreamChoice stream = StreamChoice::kAuto;  // stream_knob
 };
+inline bool use_stream(const RouteParams& p, const RouteChoice& choice) {
+  if (choice.stream == StreamChoice::kNever || !stream_fits(p.num_experts, p.top_k, p.group_path)) return false;
+  return choice.stream == StreamChoice::kAlways || p.num_tokens >= kStreamMinTokens;
+}
 
 // Index in kShapeTable for E, T, K and the pre function, or -1 when E is past the table. narrow_spec:
 // the rule has specialised narrow kernels (routing.cu's narrow_spec_matches); rows of 9-32 experts
@@ -1895,18 +1925,21 @@ __device__ __forceinline__ void wide_visit_stripes(const RouteParams& p, const v
   using namespace dev;
   constexpr int W = Shape::W, S = Shape::S;
   const int E = p.num_experts;
+  // Narrow segments (W < 32) serve any E up to the shape's 4 * W * S: only the stripes that reach
+  // into the row run.
+  const int stripes = W == 32 ? S : min(S, (E + 4 * W - 1) / (4 * W));
 #pragma unroll 1
-  for (int g = 0; g < S; g += kWideBatch) {
+  for (int g = 0; g < stripes; g += kWideBatch) {
     WideStripe st[kWideBatch];
 #pragma unroll
-    for (int k = 0; k < kWideBatch && g + k < S; ++k) {
+    for (int k = 0; k < kWideBatch && g + k < stripes; ++k) {
       const int e0 = 4 * W * (g + k) + lane4;
       load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
       if (with_bias && p.bias != nullptr)
         load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
     }
 #pragma unroll
-    for (int k = 0; k < kWideBatch && g + k < S; ++k) f(g + k, st[k]);
+    for (int k = 0; k < kWideBatch && g + k < stripes; ++k) f(g + k, st[k]);
   }
 }
 
@@ -1958,20 +1991,29 @@ __device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, int lane4
 // route_warp's contract (see the top of this file) for Shape::W == 32 and p.group_path ==
 // kGroupNone; warp_smem is not used. The caller skips warps whose row is past T.
 template <class Shape, bool kPackedTopK = false>
-__device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64_t row,
+__device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64_t first_row,
                                                 RoutedPicks<Shape>* picks) {
   using namespace dev;
-  static_assert(Shape::W == 32, "one row per warp");
   constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
-  const int sl = static_cast<int>(threadIdx.x & 31u);
+  static_assert(W == 32 || (kNarrowPacked<Shape> && kPackedTopK), "narrow segments: packed buffers only");
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int sl = lane % W;
   const int lane4 = 4 * sl;
   const int K = p.top_k;
+  // A whole warp's row is below T (the caller's check); a row of a narrow segment past T reads the
+  // last row instead and writes nothing.
+  const std::int64_t row = first_row + lane / W;
+  const bool row_ok = W == 32 || row < p.num_tokens;
+  const std::int64_t read_row = row_ok ? row : p.num_tokens - 1;
   const std::size_t elem = p.logits_dtype == static_cast<int>(DType::kFloat32) ? 4 : 2;
   const void* row_ptr =
-      static_cast<const char*>(p.logits) + row * p.row_stride * static_cast<std::int64_t>(elem);
+      static_cast<const char*>(p.logits) + read_row * p.row_stride * static_cast<std::int64_t>(elem);
 
   // Softmax constants: route_warp's general path, one pass for the max, one for the sum (a
-  // single accumulator per lane with W = 32, adding the lane's values in stripe order).
+  // single accumulator per lane with W = 32, adding the lane's values in stripe order; with W < 32
+  // the 32 / W accumulators of route_warp, stripe i adding to accumulator i % (32 / W)).
+  constexpr int NA = 32 / W;
+  static_assert(kWideBatch % NA == 0, "a batch starts at accumulator 0");
   SoftmaxRow sm{0.0f, 1.0f, 1.0f};
   bool sm_fast = true;
   if (p.pre == PreFn::kSoftmax) {
@@ -1986,13 +2028,19 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
     });
     sm.m = key_score(segment_max<W>(score_key(mx)));
     sm_fast = __fadd_rn(mn, -sm.m) >= -44.0f;
-    float acc[1] = {0.0f};
-    wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/false, [&](int, const WideStripe& st) {
+    float acc[NA] = {};
+    wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/false, [&](int i, const WideStripe& st) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const float x = __fadd_rn(st.v[c], -sm.m);
         const float e = sm_fast ? exp_fast(x) : exp_any(x);
-        acc[0] = __fadd_rn(acc[0], finite(st.v[c]) ? e : 0.0f);
+        if constexpr (NA == 1) {
+          acc[0] = __fadd_rn(acc[0], finite(st.v[c]) ? e : 0.0f);
+        } else {
+          // Adding +0 leaves an accumulator's bits as they are (it starts at +0 and never holds -0).
+#pragma unroll
+          for (int a = 0; a < NA; ++a) acc[a] = __fadd_rn(acc[a], finite(st.v[c]) && i % NA == a ? e : 0.0f);
+        }
       }
     });
     sm.sum = softmax_row_sum<W>(acc);
@@ -2017,7 +2065,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   // choice, wide_packed_buffers). full_key recomputes an expert's key from its logit (and bias): the
   // checks ask for the picks' keys and some heads' (L1 / L2 hits). bf16 / fp16 logits without pre
   // function or bias have one key per bucket: no collision check and no full keys.
-  constexpr bool packed = kPackedTopK && kPackedKeys<Shape>;
+  constexpr bool packed = kPackedTopK && (kPackedKeys<Shape> || kNarrowPacked<Shape>);
   if constexpr (packed) {
     const std::uint32_t lane_inv = kIndexMask<Shape> - static_cast<std::uint32_t>(lane4);
     std::uint32_t bp[D] = {}, pnext = 0u;
@@ -2046,7 +2094,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
     });
     select_top_k<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, refill);
   }
-  finish_row<Shape>(p, K, row, true, row_ptr, sm, sl, pick_key, pick_e, /*sp=*/nullptr, picks);
+  finish_row<Shape>(p, K, row, row_ok, row_ptr, sm, sl, pick_key, pick_e, /*sp=*/nullptr, picks);
 }
 
 }  // namespace switchyard::cuda::routing

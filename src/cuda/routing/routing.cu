@@ -391,6 +391,31 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
   return launch_route<Shape, SpecGeneric>(p, stream);
 }
 
+// Streamed narrow segments (route_warp.cuh's use_stream: route_warp_wide with W = kStreamLanes, packed
+// buffers of depth 4) for sigmoid + fp32 bias -> normalize (Kimi-K2, GLM-4.5 and the E = 576 / 896
+// sigmoid rules), fp32 and bf16 logits; one shape per power of two of E (their index bits).
+template <class Shape, class... Specs>
+bool launch_stream_first_match(const RouteParams& p, cudaStream_t stream, Status* status) {
+  return ((SpecTraits<Specs>::matches(p) && (*status = launch_route<Shape, Specs, true, true>(p, stream), true)) ||
+          ...);
+}
+template <class Shape>
+bool launch_stream_shape(const RouteParams& p, cudaStream_t stream, Status* status) {
+  static_assert(Shape::W == routing::kStreamLanes, "the streamed narrow segments' lanes");
+  return launch_stream_first_match<
+      Shape, Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
+      Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, stream, status);
+}
+// Launches into *status and returns true, or returns false (nothing launched) when no stream Spec
+// serves p.
+bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* status) {
+  constexpr int W = routing::kStreamLanes;
+  static_assert(routing::kStreamMaxExperts <= 4 * W * 32, "the largest stream shape");
+  if (p.num_experts <= 4 * W * 8) return launch_stream_shape<routing::RouteShape<W, 8, 4>>(p, stream, status);
+  if (p.num_experts <= 4 * W * 16) return launch_stream_shape<routing::RouteShape<W, 16, 4>>(p, stream, status);
+  return launch_stream_shape<routing::RouteShape<W, 32, 4>>(p, stream, status);
+}
+
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.
 template <int kE, int kK>
 __global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p) {
@@ -441,7 +466,12 @@ Status route(const detail::RouteArgs& args, Stream stream) {
   routing::RouteChoice choice;  // the testing knobs, read once per call
   choice.form = routing::small_row_form_knob();
   choice.narrow_packed = routing::narrow_packed_knob();
+  choice.stream = routing::stream_knob();
   if (routing::use_rows_kernel(p, choice.form)) return launch_route_rows_for(p, stream);
+  if (routing::use_stream(p, choice)) {
+    Status status;
+    if (launch_route_stream(p, stream, &status)) return status;
+  }
   return routing::dispatch_route_shape(
       args.config.num_experts, args.num_tokens, args.config.top_k,
       [&](auto shape) { return launch_route_shape<decltype(shape)>(p, choice, stream); }, args.config.pre,

@@ -191,6 +191,16 @@ struct RouteShape {
   static_assert(D >= 1 && D <= 4, "buffer depth");
 };
 
+// A shape of the streamed narrow segments (route_warp_wide with W < 32): kStreamBatch stripes loaded
+// at a time, the next batch's loads issued before this one's keys when kStreamPrefetch, and
+// __launch_bounds__ of kStreamMinBlocks blocks per SM.
+template <int W_, int S_, int D_, int kBatch, bool kPrefetch, int kMinBlocks>
+struct StreamShape : RouteShape<W_, S_, D_> {
+  static constexpr int kStreamBatch = kBatch;
+  static constexpr bool kStreamPrefetch = kPrefetch;
+  static constexpr int kStreamMinBlocks = kMinBlocks;
+};
+
 // The picks a lane holds after route_warp: pick k = s * W + (lane % W) of row first_row +
 // lane / W, for s < kSlots with k < K.
 template <class Shape>
@@ -1919,27 +1929,71 @@ struct WideStripe {
 // code, and unrolled they made a 49k-instruction kernel at E = 2048. with_bias: the pass needs
 // the bias (the key passes do, the softmax passes do not).
 constexpr int kWideBatch = 4;
+// A shape's stripe batch and prefetch (StreamShape below; whole-warp wide rows: kWideBatch, none).
+template <class Shape, class = void>
+struct WideBatching {
+  static constexpr int kBatch = kWideBatch;
+  static constexpr bool kPrefetch = false;
+};
+template <class Shape>
+struct WideBatching<Shape, std::void_t<decltype(Shape::kStreamBatch)>> {
+  static constexpr int kBatch = Shape::kStreamBatch;
+  static constexpr bool kPrefetch = Shape::kStreamPrefetch;
+};
+template <class Shape>
+__device__ __forceinline__ void wide_load_batch(const RouteParams& p, const void* row_ptr, int lane4,
+                                                bool with_bias, int g, int stripes,
+                                                WideStripe (&st)[WideBatching<Shape>::kBatch]) {
+  using namespace dev;
+  constexpr int W = Shape::W, B = WideBatching<Shape>::kBatch;
+  const int E = p.num_experts;
+#pragma unroll
+  for (int k = 0; k < B; ++k) {
+    if (g + k < stripes) {
+      const int e0 = 4 * W * (g + k) + lane4;
+      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
+      if (with_bias && p.bias != nullptr) load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
+    }
+  }
+}
 template <class Shape, class F>
 __device__ __forceinline__ void wide_visit_stripes(const RouteParams& p, const void* row_ptr, int lane4,
                                                    bool with_bias, const F& f) {
   using namespace dev;
   constexpr int W = Shape::W, S = Shape::S;
+  constexpr int B = WideBatching<Shape>::kBatch;
   const int E = p.num_experts;
   // Narrow segments (W < 32) serve any E up to the shape's 4 * W * S: only the stripes that reach
   // into the row run.
   const int stripes = W == 32 ? S : min(S, (E + 4 * W - 1) / (4 * W));
+  if constexpr (WideBatching<Shape>::kPrefetch) {
+    // The next batch's loads are in flight while this one's keys are computed.
+    WideStripe st[B], nx[B];
+    wide_load_batch<Shape>(p, row_ptr, lane4, with_bias, 0, stripes, st);
 #pragma unroll 1
-  for (int g = 0; g < stripes; g += kWideBatch) {
-    WideStripe st[kWideBatch];
+    for (int g = 0; g < stripes; g += B) {
+      if (g + B < stripes) wide_load_batch<Shape>(p, row_ptr, lane4, with_bias, g + B, stripes, nx);
 #pragma unroll
-    for (int k = 0; k < kWideBatch && g + k < stripes; ++k) {
-      const int e0 = 4 * W * (g + k) + lane4;
-      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
-      if (with_bias && p.bias != nullptr)
-        load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
+      for (int k = 0; k < B; ++k) {
+        if (g + k < stripes) f(g + k, st[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < B; ++k) st[k] = nx[k];
     }
+  } else {
+#pragma unroll 1
+    for (int g = 0; g < stripes; g += B) {
+      WideStripe st[B];
 #pragma unroll
-    for (int k = 0; k < kWideBatch && g + k < stripes; ++k) f(g + k, st[k]);
+      for (int k = 0; k < B && g + k < stripes; ++k) {
+        const int e0 = 4 * W * (g + k) + lane4;
+        load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
+        if (with_bias && p.bias != nullptr)
+          load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
+      }
+#pragma unroll
+      for (int k = 0; k < B && g + k < stripes; ++k) f(g + k, st[k]);
+    }
   }
 }
 
@@ -2013,7 +2067,6 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   // single accumulator per lane with W = 32, adding the lane's values in stripe order; with W < 32
   // the 32 / W accumulators of route_warp, stripe i adding to accumulator i % (32 / W)).
   constexpr int NA = 32 / W;
-  static_assert(kWideBatch % NA == 0, "a batch starts at accumulator 0");
   SoftmaxRow sm{0.0f, 1.0f, 1.0f};
   bool sm_fast = true;
   if (p.pre == PreFn::kSoftmax) {

@@ -113,9 +113,17 @@ constexpr bool kSpecialised = !std::is_same_v<SpecT, SpecGeneric>;
 // Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
 // T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
 // kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
+template <class Shape, class = void>
+struct StreamMinBlocks {
+  static constexpr int value = 3;
+};
+template <class Shape>
+struct StreamMinBlocks<Shape, std::void_t<decltype(Shape::kStreamMinBlocks)>> {
+  static constexpr int value = Shape::kStreamMinBlocks;
+};
 template <class Shape, class SpecT, bool kWide>
 constexpr int route_min_blocks() {
-  if (kWide) return 3;
+  if (kWide) return StreamMinBlocks<Shape>::value;
   return (Shape::W == 32 && Shape::S >= 2 && Shape::S <= 3 && kSpecialised<SpecT> &&
           !SpecTraits<SpecT>::kEarlyBias)
              ? 8
@@ -401,19 +409,39 @@ bool launch_stream_first_match(const RouteParams& p, cudaStream_t stream, Status
 }
 template <class Shape>
 bool launch_stream_shape(const RouteParams& p, cudaStream_t stream, Status* status) {
-  static_assert(Shape::W == routing::kStreamLanes, "the streamed narrow segments' lanes");
   return launch_stream_first_match<
       Shape, Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
       Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, stream, status);
 }
 // Launches into *status and returns true, or returns false (nothing launched) when no stream Spec
 // serves p.
+template <int W, int kBatch, bool kPrefetch, int kMinBlocks>
+bool launch_route_stream_variant(const RouteParams& p, cudaStream_t stream, Status* status) {
+  constexpr int S0 = 256 / (4 * W);
+  using routing::StreamShape;
+  if (p.num_experts <= 256)
+    return launch_stream_shape<StreamShape<W, S0, 4, kBatch, kPrefetch, kMinBlocks>>(p, stream, status);
+  if (p.num_experts <= 512)
+    return launch_stream_shape<StreamShape<W, 2 * S0, 4, kBatch, kPrefetch, kMinBlocks>>(p, stream, status);
+  return launch_stream_shape<StreamShape<W, 4 * S0, 4, kBatch, kPrefetch, kMinBlocks>>(p, stream, status);
+}
 bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* status) {
-  constexpr int W = routing::kStreamLanes;
-  static_assert(routing::kStreamMaxExperts <= 4 * W * 32, "the largest stream shape");
-  if (p.num_experts <= 4 * W * 8) return launch_stream_shape<routing::RouteShape<W, 8, 4>>(p, stream, status);
-  if (p.num_experts <= 4 * W * 16) return launch_stream_shape<routing::RouteShape<W, 16, 4>>(p, stream, status);
-  return launch_stream_shape<routing::RouteShape<W, 32, 4>>(p, stream, status);
+  static_assert(routing::kStreamMaxExperts <= 1024, "the largest stream shape");
+  const char* v = std::getenv("SWITCHYARD_ROUTE_STREAM_VARIANT");  // EXPERIMENT
+  const int variant = v == nullptr ? 0 : std::atoi(v);
+  switch (variant) {
+    case 1:
+      return launch_route_stream_variant<8, 2, false, 5>(p, stream, status);
+    case 2:
+      return launch_route_stream_variant<8, 2, true, 4>(p, stream, status);
+    case 3:
+      return launch_route_stream_variant<8, 4, true, 3>(p, stream, status);
+    case 4:
+      if (p.top_k > 16) return false;
+      return launch_route_stream_variant<16, 2, true, 4>(p, stream, status);
+    default:
+      return launch_route_stream_variant<8, 4, false, 3>(p, stream, status);
+  }
 }
 
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.

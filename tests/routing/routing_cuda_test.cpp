@@ -1021,13 +1021,13 @@ TEST(RoutingCuda, SmallExpertForms) {
 }
 
 // Streamed narrow segments (route_warp.cuh's use_stream: route_warp_wide with 8 lanes a row, 4 rows a
-// warp, packed buffers of depth 4) for sigmoid + fp32 bias -> normalize, 129-1024 experts, 2 <= K <= 8,
+// warp, packed buffers of depth 4) for sigmoid + fp32 bias -> normalize, 129-192 experts, 2 <= K <= 8,
 // fp32 / bf16 logits (aligned rows: routing.cu's stream Specs), forced at every T through
 // SWITCHYARD_ROUTE_STREAM=1 (T not a multiple of 4: rows past T in the last warp), then the default
 // on both sides of kStreamMinTokens; every input kind (near-tied and hidden-in-bucket rows reach the
 // packed buffers' checks, lane-heavy and tied rows the exact rounds with their rescans). Rows the
-// form does not serve (K = 1 / 9, a group limit, fp16 logits, odd strides) must take the other kernels
-// under the knob too.
+// form does not serve (E past 192, K = 1 / 9, a group limit, fp16 logits, odd strides) must take the
+// other kernels under the knob.
 TEST(RoutingCuda, StreamedNarrowRows) {
   SY_SKIP_WITHOUT_GPU();
   const Kind kinds[] = {Kind::kNearTied, Kind::kHiddenInBucket, Kind::kLaneHeavy, Kind::kTied,
@@ -1036,9 +1036,9 @@ TEST(RoutingCuda, StreamedNarrowRows) {
   int i = 0;
   {
     const ScopedEnv knob("SWITCHYARD_ROUTE_STREAM", "1");
-    for (int E : {129, 160, 200, 256, 257, 384, 500, 512, 513, 576, 640, 896, 1000, 1024}) {
-      for (int K : {2, 3, 5, 8}) {
-        for (int rep = 0; rep < 2; ++rep) {
+    for (int E : {129, 130, 160, 161, 176, 191, 192}) {
+      for (int K : {2, 3, 5, 7, 8}) {
+        for (int rep = 0; rep < 4; ++rep) {
           Case c;
           c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
           c.bias = true;
@@ -1050,37 +1050,39 @@ TEST(RoutingCuda, StreamedNarrowRows) {
       }
     }
     // Not served by the form: the other kernels, under the knob.
-    for (int E : {160, 384, 896}) {
+    for (int E : {160, 193, 384}) {
       for (int K : {1, 9, 8}) {
         Case c;
         c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
         c.bias = true;
         c.T = 301;
         c.kind = kinds[i % 8];
-        if (K == 8) {  // a group limit, or fp16 logits, or an odd stride (the generic kernels)
-          if (E % 8 == 0 && i % 2 == 0) {
-            c.config.group_rule = GroupRule::kTop2Sum;
-            c.config.n_group = 8;
-            c.config.topk_group = 4;
-          } else {
-            c.logits_dtype = DType::kFloat16;
+        if (K == 8 && E == 160) {  // a group limit, fp16 logits or odd strides (the generic kernels)
+          for (int v = 0; v < 3; ++v) {
+            Case d = c;
+            if (v == 0) {
+              d.config.group_rule = GroupRule::kTop2Sum;
+              d.config.n_group = 8;
+              d.config.topk_group = 4;
+            }
+            if (v == 1) d.logits_dtype = DType::kFloat16;
+            if (!check_varied(d, i)) return;
           }
-          if (!check_varied(c, i)) return;
         } else if (!check_aligned(c, i)) {
           return;
         }
       }
     }
   }
-  // The default: kStreamMinTokens (4096) - 1 and 4096 rows.
-  for (int E : {160, 384, 576}) {
-    for (std::int64_t T : {4095, 4096}) {
+  // The default: kStreamMinTokens (32768) - 1 and 32768 rows (GLM-4.5's E = 160).
+  for (std::int64_t T : {32767, 32768}) {
+    for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
       Case c;
-      c.config = make_config(E, 8, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+      c.config = make_config(160, 8, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
       c.bias = true;
       c.T = T;
       c.kind = kinds[i % 8];
-      c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+      c.logits_dtype = dt;
       if (!check_aligned(c, i)) return;
     }
   }

@@ -28,9 +28,11 @@
 //       row before using them.
 //   The caller must call pdl_wait() (cuda/common/launch.cuh) before route_warp when launched
 //   with programmatic dependent launch.
-//   route_warp_wide<Shape, kPackedTopK = false>(p, row, picks): the same contract for one row per
-//   warp (W = 32, any S) without a group limit, holding one batch of stripes in registers instead
-//   of the whole row (see "Wide rows" below); the caller skips warps whose row is past T.
+//   route_warp_wide<Shape, kPackedTopK = false>(p, first_row, picks): the same contract without a
+//   group limit, holding one batch of stripes in registers instead of the whole row (see "Wide
+//   rows" below): one row per warp (W = 32, any S; the caller skips warps whose row is past T), or
+//   narrow segments (W < 32, packed buffers only, any E up to 4 * W * S: the streamed narrow
+//   segments of kStreamLanes; a row past T reads row T - 1 and writes nothing).
 //   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 1024, any K;
 //       narrow segments with 2 <= W < 32 for kNarrowPackedMinK <= K <= W only, which the caller
 //       must ensure: narrow_packed_fits; see Top-K below); route_warp_wide: the same buffers up to
@@ -191,13 +193,11 @@ struct RouteShape {
   static_assert(D >= 1 && D <= 4, "buffer depth");
 };
 
-// A shape of the streamed narrow segments (route_warp_wide with W < 32): kStreamBatch stripes loaded
-// at a time, the next batch's loads issued before this one's keys when kStreamPrefetch, and
-// __launch_bounds__ of kStreamMinBlocks blocks per SM.
-template <int W_, int S_, int D_, int kBatch, bool kPrefetch, int kMinBlocks>
+// A shape of the streamed narrow segments (route_warp_wide with W < 32; kStreamLanes below):
+// kStreamBatch stripes loaded at a time, __launch_bounds__ of kStreamMinBlocks blocks per SM.
+template <int W_, int S_, int D_, int kBatch, int kMinBlocks>
 struct StreamShape : RouteShape<W_, S_, D_> {
   static constexpr int kStreamBatch = kBatch;
-  static constexpr bool kStreamPrefetch = kPrefetch;
   static constexpr int kStreamMinBlocks = kMinBlocks;
 };
 
@@ -369,13 +369,14 @@ inline bool narrow_packed_knob() {
 
 // Streamed narrow segments (route_warp_wide with W = kStreamLanes < 32; routing.cu's
 // launch_route_stream): rows of kStreamMinExperts + 1 .. kStreamMaxExperts experts without a group
-// limit and narrow_packed_k(K, kStreamLanes), from kStreamMinTokens rows on, for the rules of
-// routing.cu's stream Specs. A lane streams its stripes of the row (no row in registers), so 32 / W
-// rows share each warp-wide step of the top-K rounds and the checks.
+// limit and narrow_packed_k(K, kStreamLanes), from kStreamMinTokens rows on, for the rule of
+// routing.cu's stream Specs (sigmoid + bias -> normalize). A lane streams its E / 32 stripes of the row
+// instead of the whole warp's 2 stripes of 128 experts, a quarter of them padding at E = 160
+// (measurements: routing.cu).
 inline constexpr int kStreamLanes = 8;
 inline constexpr int kStreamMinExperts = 128;
-inline constexpr int kStreamMaxExperts = 1024;
-inline constexpr std::int64_t kStreamMinTokens = 4096;
+inline constexpr int kStreamMaxExperts = 192;
+inline constexpr std::int64_t kStreamMinTokens = 32768;
 inline bool stream_fits(int num_experts, int top_k, int group_path) {
   return group_path == kGroupNone && num_experts > kStreamMinExperts && num_experts <= kStreamMaxExperts &&
          narrow_packed_k(top_k, kStreamLanes);
@@ -1898,7 +1899,8 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 }
 
 // ---------------------------------------------------------------------------------------------
-// Wide rows: route_warp for E > 512 (W = 32, S > 4) without a group limit.
+// Wide rows: route_warp for E > 512 (W = 32, S > 4) without a group limit; also the streamed
+// narrow segments (W = kStreamLanes, StreamShape), the same code over E / (4 W) stripes a lane.
 //
 // route_warp holds a row's 4*S values per lane in registers (64 at E = 2048): its wide kernels
 // needed 146-255 registers (1-2 blocks per SM). Here a lane streams its stripes instead, a batch
@@ -1929,71 +1931,36 @@ struct WideStripe {
 // code, and unrolled they made a 49k-instruction kernel at E = 2048. with_bias: the pass needs
 // the bias (the key passes do, the softmax passes do not).
 constexpr int kWideBatch = 4;
-// A shape's stripe batch and prefetch (StreamShape below; whole-warp wide rows: kWideBatch, none).
+// Stripes a batch: kWideBatch, or a StreamShape's kStreamBatch.
 template <class Shape, class = void>
-struct WideBatching {
-  static constexpr int kBatch = kWideBatch;
-  static constexpr bool kPrefetch = false;
+struct WideBatch {
+  static constexpr int value = kWideBatch;
 };
 template <class Shape>
-struct WideBatching<Shape, std::void_t<decltype(Shape::kStreamBatch)>> {
-  static constexpr int kBatch = Shape::kStreamBatch;
-  static constexpr bool kPrefetch = Shape::kStreamPrefetch;
+struct WideBatch<Shape, std::void_t<decltype(Shape::kStreamBatch)>> {
+  static constexpr int value = Shape::kStreamBatch;
 };
-template <class Shape>
-__device__ __forceinline__ void wide_load_batch(const RouteParams& p, const void* row_ptr, int lane4,
-                                                bool with_bias, int g, int stripes,
-                                                WideStripe (&st)[WideBatching<Shape>::kBatch]) {
-  using namespace dev;
-  constexpr int W = Shape::W, B = WideBatching<Shape>::kBatch;
-  const int E = p.num_experts;
-#pragma unroll
-  for (int k = 0; k < B; ++k) {
-    if (g + k < stripes) {
-      const int e0 = 4 * W * (g + k) + lane4;
-      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
-      if (with_bias && p.bias != nullptr) load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
-    }
-  }
-}
 template <class Shape, class F>
 __device__ __forceinline__ void wide_visit_stripes(const RouteParams& p, const void* row_ptr, int lane4,
                                                    bool with_bias, const F& f) {
   using namespace dev;
-  constexpr int W = Shape::W, S = Shape::S;
-  constexpr int B = WideBatching<Shape>::kBatch;
+  constexpr int W = Shape::W, S = Shape::S, B = WideBatch<Shape>::value;
   const int E = p.num_experts;
   // Narrow segments (W < 32) serve any E up to the shape's 4 * W * S: only the stripes that reach
   // into the row run.
   const int stripes = W == 32 ? S : min(S, (E + 4 * W - 1) / (4 * W));
-  if constexpr (WideBatching<Shape>::kPrefetch) {
-    // The next batch's loads are in flight while this one's keys are computed.
-    WideStripe st[B], nx[B];
-    wide_load_batch<Shape>(p, row_ptr, lane4, with_bias, 0, stripes, st);
 #pragma unroll 1
-    for (int g = 0; g < stripes; g += B) {
-      if (g + B < stripes) wide_load_batch<Shape>(p, row_ptr, lane4, with_bias, g + B, stripes, nx);
+  for (int g = 0; g < stripes; g += B) {
+    WideStripe st[B];
 #pragma unroll
-      for (int k = 0; k < B; ++k) {
-        if (g + k < stripes) f(g + k, st[k]);
-      }
-#pragma unroll
-      for (int k = 0; k < B; ++k) st[k] = nx[k];
+    for (int k = 0; k < B && g + k < stripes; ++k) {
+      const int e0 = 4 * W * (g + k) + lane4;
+      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
+      if (with_bias && p.bias != nullptr)
+        load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
     }
-  } else {
-#pragma unroll 1
-    for (int g = 0; g < stripes; g += B) {
-      WideStripe st[B];
 #pragma unroll
-      for (int k = 0; k < B && g + k < stripes; ++k) {
-        const int e0 = 4 * W * (g + k) + lane4;
-        load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
-        if (with_bias && p.bias != nullptr)
-          load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
-      }
-#pragma unroll
-      for (int k = 0; k < B && g + k < stripes; ++k) f(g + k, st[k]);
-    }
+    for (int k = 0; k < B && g + k < stripes; ++k) f(g + k, st[k]);
   }
 }
 

@@ -399,49 +399,33 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
   return launch_route<Shape, SpecGeneric>(p, stream);
 }
 
-// Streamed narrow segments (route_warp.cuh's use_stream: route_warp_wide with W = kStreamLanes, packed
-// buffers of depth 4) for sigmoid + fp32 bias -> normalize (Kimi-K2, GLM-4.5 and the E = 576 / 896
-// sigmoid rules), fp32 and bf16 logits; one shape per power of two of E (their index bits).
-template <class Shape, class... Specs>
-bool launch_stream_first_match(const RouteParams& p, cudaStream_t stream, Status* status) {
-  return ((SpecTraits<Specs>::matches(p) && (*status = launch_route<Shape, Specs, true, true>(p, stream), true)) ||
-          ...);
-}
-template <class Shape>
-bool launch_stream_shape(const RouteParams& p, cudaStream_t stream, Status* status) {
-  return launch_stream_first_match<
-      Shape, Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-      Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, stream, status);
-}
-// Launches into *status and returns true, or returns false (nothing launched) when no stream Spec
-// serves p.
-template <int W, int kBatch, bool kPrefetch, int kMinBlocks>
-bool launch_route_stream_variant(const RouteParams& p, cudaStream_t stream, Status* status) {
-  constexpr int S0 = 256 / (4 * W);
-  using routing::StreamShape;
-  if (p.num_experts <= 256)
-    return launch_stream_shape<StreamShape<W, S0, 4, kBatch, kPrefetch, kMinBlocks>>(p, stream, status);
-  if (p.num_experts <= 512)
-    return launch_stream_shape<StreamShape<W, 2 * S0, 4, kBatch, kPrefetch, kMinBlocks>>(p, stream, status);
-  return launch_stream_shape<StreamShape<W, 4 * S0, 4, kBatch, kPrefetch, kMinBlocks>>(p, stream, status);
-}
+// Streamed narrow segments (route_warp.cuh's use_stream): route_warp_wide with 8 lanes a row, 4 rows a
+// warp, streaming 2 stripes at a time into packed buffers of depth 4 (48 registers, 5 blocks per SM),
+// for sigmoid + fp32 bias -> normalize without a group limit (GLM-4.5's rule), fp32 and bf16 logits.
+// A whole warp holds such a row in 2 stripes of 128 (256 experts), so at E = 160 three of its eight
+// values per lane are padding; 8 lanes hold E / 8 values each, in E / 32 stripes. Measured on the H200
+// (glm-4.5, E = 160 K = 8, us, against the whole warp, same call, two runs; session 20): fp32 T = 65536
+// 37.8 against 55.2, bf16 39.1 against 56.8; T = 16384 16.4 / 17.5 against 16.1 / 16.9, T = 4096 10.9
+// against 6.2 (a lane's 20 values are one serial chain). Rows without that padding gained nothing from
+// the form: ncu at kimi-k2 (E = 384) fp32 T = 65536 counted 703 warp instructions per row against the
+// whole warp's 730, ~50 per value and lane (the oracle-exact exp alone ~14), at 59% issue slots busy
+// against 77% (74.0 us against 57.9); E = 576 gained 5% at T = 65536 and lost at T <= 16384. (Forms
+// measured: batches of 4 and 2 stripes, prefetching the next batch, 16 lanes a row;
+// bench/results/h200_2026-12-01_s20_stream_narrow_ab.json.)
 bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* status) {
-  static_assert(routing::kStreamMaxExperts <= 1024, "the largest stream shape");
-  const char* v = std::getenv("SWITCHYARD_ROUTE_STREAM_VARIANT");  // EXPERIMENT
-  const int variant = v == nullptr ? 0 : std::atoi(v);
-  switch (variant) {
-    case 1:
-      return launch_route_stream_variant<8, 2, false, 5>(p, stream, status);
-    case 2:
-      return launch_route_stream_variant<8, 2, true, 4>(p, stream, status);
-    case 3:
-      return launch_route_stream_variant<8, 4, true, 3>(p, stream, status);
-    case 4:
-      if (p.top_k > 16) return false;
-      return launch_route_stream_variant<16, 2, true, 4>(p, stream, status);
-    default:
-      return launch_route_stream_variant<8, 4, false, 3>(p, stream, status);
+  using Shape = routing::StreamShape<routing::kStreamLanes, 6, 4, 2, 5>;
+  static_assert(routing::kStreamMaxExperts <= Shape::kMaxExperts, "the stream shape's experts");
+  using SigmoidF32 = Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
+  using SigmoidBf16 = Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
+  if (SpecTraits<SigmoidF32>::matches(p)) {
+    *status = launch_route<Shape, SigmoidF32, true, true>(p, stream);
+    return true;
   }
+  if (SpecTraits<SigmoidBf16>::matches(p)) {
+    *status = launch_route<Shape, SigmoidBf16, true, true>(p, stream);
+    return true;
+  }
+  return false;
 }
 
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.

@@ -395,12 +395,13 @@ inline StreamChoice stream_knob() {
 
 // The choices route() makes on the host, once per call, for the launchers.
 struct RouteChoice {
-  SmallRowForm form = SmallRowForm::kAuto;   // small_row_form_knob
-  bool narrow_packed = true;                 // narrow_packed_knob
+  SmallRowForm form = SmallRowForm::kAuto;    // small_row_form_knob
+  bool narrow_packed = true;                  // narrow_packed_knob
   StreamChoice stream = StreamChoice::kAuto;  // stream_knob
 };
 inline bool use_stream(const RouteParams& p, const RouteChoice& choice) {
-  if (choice.stream == StreamChoice::kNever || !stream_fits(p.num_experts, p.top_k, p.group_path)) return false;
+  if (choice.stream == StreamChoice::kNever || !stream_fits(p.num_experts, p.top_k, p.group_path))
+    return false;
   return choice.stream == StreamChoice::kAlways || p.num_tokens >= kStreamMinTokens;
 }
 

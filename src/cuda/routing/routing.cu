@@ -315,20 +315,24 @@ using NarrowSoftmax = Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostF
 template <DType kDtype>
 using NarrowNoneSoftmax = Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
 
-template <class Shape, DType kDtype, bool kPacked>
-Status launch_route_narrow(const RouteParams& p, cudaStream_t stream) {
-  return launch_route_spec_packed<Shape, false, kPacked, NarrowSoftmaxNormalize<kDtype>,
-                                  NarrowSoftmax<kDtype>, NarrowNoneSoftmax<kDtype>, SpecGeneric>(p, stream);
+// The narrow Specs of one logits dtype, as a type list.
+template <DType kDtype>
+using NarrowSpecs =
+    std::tuple<NarrowSoftmaxNormalize<kDtype>, NarrowSoftmax<kDtype>, NarrowNoneSoftmax<kDtype>>;
+
+template <class Shape, bool kPacked, class... Specs>
+Status launch_route_spec_list(const RouteParams& p, cudaStream_t stream, std::tuple<Specs...>*) {
+  return launch_route_spec_packed<Shape, false, kPacked, Specs..., SpecGeneric>(p, stream);
+}
+template <class... Specs>
+bool any_spec_matches(const RouteParams& p, std::tuple<Specs...>*) {
+  return (SpecTraits<Specs>::matches(p) || ...);
 }
 
-// Whether one of launch_route_narrow's Specs serves p (route_shape_index's narrow_spec).
-template <DType kDtype>
-bool narrow_spec_matches_dtype(const RouteParams& p) {
-  return SpecTraits<NarrowSoftmaxNormalize<kDtype>>::matches(p) ||
-         SpecTraits<NarrowSoftmax<kDtype>>::matches(p) || SpecTraits<NarrowNoneSoftmax<kDtype>>::matches(p);
-}
+// Whether one of the narrow Specs serves p (route_shape_index's narrow_spec).
 bool narrow_spec_matches(const RouteParams& p) {
-  return narrow_spec_matches_dtype<DType::kFloat32>(p) || narrow_spec_matches_dtype<DType::kBFloat16>(p);
+  return any_spec_matches(p, static_cast<NarrowSpecs<DType::kFloat32>*>(nullptr)) ||
+         any_spec_matches(p, static_cast<NarrowSpecs<DType::kBFloat16>*>(nullptr));
 }
 
 // Narrow segments on packed candidate buffers (route_warp.cuh's kNarrowPacked) where K fits them
@@ -381,20 +385,23 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
     if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
       return launch_route_dtype<Shape, DType::kBFloat16>(p, stream);
   }
-  if constexpr (kNarrowSpecs<Shape>) {
-    const bool packed = use_narrow_packed<Shape>(p, choice);
-    if (p.logits_dtype == static_cast<int>(DType::kFloat32)) {
-      return packed ? launch_route_narrow<Shape, DType::kFloat32, true>(p, stream)
-                    : launch_route_narrow<Shape, DType::kFloat32, false>(p, stream);
-    }
-    if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) {
-      return packed ? launch_route_narrow<Shape, DType::kBFloat16, true>(p, stream)
-                    : launch_route_narrow<Shape, DType::kBFloat16, false>(p, stream);
-    }
-  }
   if constexpr (routing::kNarrowPacked<Shape>) {
-    if (use_narrow_packed<Shape>(p, choice)) return launch_route<Shape, SpecGeneric, false, true>(p, stream);
-    return launch_route<Shape, SpecGeneric, false, false>(p, stream);
+    // Narrow segments: the narrow Specs of the logits dtype (kNarrowSpecs), else the generic kernel, on
+    // packed or plain buffers.
+    const auto launch_narrow = [&](auto packed) -> Status {
+      constexpr bool kPacked = decltype(packed)::value;
+      if constexpr (kNarrowSpecs<Shape>) {
+        if (p.logits_dtype == static_cast<int>(DType::kFloat32))
+          return launch_route_spec_list<Shape, kPacked>(p, stream,
+                                                        static_cast<NarrowSpecs<DType::kFloat32>*>(nullptr));
+        if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
+          return launch_route_spec_list<Shape, kPacked>(p, stream,
+                                                        static_cast<NarrowSpecs<DType::kBFloat16>*>(nullptr));
+      }
+      return launch_route<Shape, SpecGeneric, false, kPacked>(p, stream);
+    };
+    return use_narrow_packed<Shape>(p, choice) ? launch_narrow(std::true_type{})
+                                               : launch_narrow(std::false_type{});
   }
   return launch_route<Shape, SpecGeneric>(p, stream);
 }

@@ -730,6 +730,13 @@ __device__ __forceinline__ float load_one(const void* base, int dtype, std::int6
   return __half2float(__ushort_as_half(h));  // fp16 -> fp32 is exact
 }
 
+// The logit an absent expert (e >= E in a row's last stripe) reads as: -inf with a softmax pre
+// function (outside every softmax sum), else 0. The keys of absent experts are set to 0 anyway, so
+// any finite value serves, and 0 keeps the lane on the fast sigmoid path (a lane with an infinite
+// logit takes the exact general one for every value, and its warp then runs both: GLM-4.5's E = 160
+// puts 24 of the 32 lanes' second-stripe values past E).
+__device__ __forceinline__ float absent_fill(PreFn pre) { return pre == PreFn::kSoftmax ? neg_inf() : 0.0f; }
+
 // Loads experts e0 .. e0+3 of a row (absent ones, e >= E or !ok, give `fill`).
 __device__ __forceinline__ void load_chunk(const void* base, int dtype, bool vec, int e0, int E, bool ok,
                                            float fill, float* out) {
@@ -1719,13 +1726,14 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   const void* row_ptr = static_cast<const char*>(p.logits) +
                         (row_ok ? row : 0) * p.row_stride * static_cast<std::int64_t>(elem);
 
-  // 1. Load the row (absent experts read as -inf: outside every softmax sum; a dummy row past T
-  // reads as zeros, a harmless finite row whose results are not written).
+  // 1. Load the row (absent experts read as absent_fill: -inf with a softmax pre function, outside
+  // every softmax sum, else 0, whose keys step 3 sets to 0; a dummy row past T reads as zeros, a
+  // harmless finite row whose results are not written).
+  const float fill = row_ok ? absent_fill(p.pre) : 0.0f;
   float v[V];
 #pragma unroll
   for (int i = 0; i < S; ++i)
-    load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, row_ok ? neg_inf() : 0.0f,
-               &v[4 * i]);
+    load_chunk(row_ptr, p.logits_dtype, p.logits_vec, 4 * W * i + lane4, E, row_ok, fill, &v[4 * i]);
   if constexpr (W < 32) {
     // A dummy row of a narrow segment (T smaller than a warp's rows) takes the distinct values -e / 4
     // instead (within the fast softmax path's range for e < 128): a row of equal values puts every key
@@ -1956,7 +1964,7 @@ __device__ __forceinline__ void wide_visit_stripes(const RouteParams& p, const v
 #pragma unroll
     for (int k = 0; k < B && g + k < stripes; ++k) {
       const int e0 = 4 * W * (g + k) + lane4;
-      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, neg_inf(), st[k].v);
+      load_chunk(row_ptr, p.logits_dtype, p.logits_vec, e0, E, true, absent_fill(p.pre), st[k].v);
       if (with_bias && p.bias != nullptr)
         load_chunk(p.bias, p.bias_dtype, p.bias_vec, e0, E, true, 0.0f, st[k].b);
     }

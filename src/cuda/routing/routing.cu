@@ -411,9 +411,12 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
 // for sigmoid + fp32 bias -> normalize without a group limit (GLM-4.5's rule), fp32 and bf16 logits.
 // A whole warp holds such a row in 2 stripes of 128 (256 experts), so at E = 160 three of its eight
 // values per lane are padding; 8 lanes hold E / 8 values each, in E / 32 stripes. Measured on the H200
-// (glm-4.5, E = 160 K = 8, us, against the whole warp, same call, two runs; session 20): fp32 T = 65536
-// 37.8 against 55.2, bf16 39.1 against 56.8; T = 16384 16.4 / 17.5 against 16.1 / 16.9, T = 4096 10.9
-// against 6.2 (a lane's 20 values are one serial chain). Rows without that padding gained nothing from
+// (glm-4.5, E = 160 K = 8, us, against the whole warp, same call, two runs; session 20, with absent
+// experts read as 0, route_warp.cuh's absent_fill): fp32 T = 32768 / 65536 23.1 / 37.3-38.7 against
+// 25.9 / 48.7, bf16 24.1-24.6 / 39.3 against 26.9-27.1 / 50.6; T = 16384 16.6-16.8 against 14.2-14.4
+// (before absent_fill the whole warp took 29.1 / 55.0 at fp32 T = 32768 / 65536, and the form 10.7
+// against 6.1 at T = 4096: a lane's 20 values are one serial chain). Rows without that padding gained
+// nothing from
 // the form: ncu at kimi-k2 (E = 384) fp32 T = 65536 counted 703 warp instructions per row against the
 // whole warp's 730, ~50 per value and lane (the oracle-exact exp alone ~14), at 59% issue slots busy
 // against 77% (74.0 us against 57.9); E = 576 gained 5% at T = 65536 and lost at T <= 16384. (Forms

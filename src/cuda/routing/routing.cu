@@ -108,8 +108,8 @@ constexpr bool kSpecialised = !std::is_same_v<SpecT, SpecGeneric>;
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
 // sigmoid + bias ones past kEarlyBiasMaxTokens, the others at every T); 3 (80 registers) for the
-// wide-row kernels (kWide: unbounded, the compiler took 104-143 to keep more loads in flight);
-// 1 elsewhere.
+// wide-row kernels (kWide: unbounded, the compiler took 104-143 to keep more loads in flight; a
+// StreamShape's kStreamMinBlocks for the streamed narrow segments); 1 elsewhere.
 // Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
 // T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
 // kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
@@ -416,11 +416,10 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
 // 25.9 / 48.7, bf16 24.1-24.6 / 39.3 against 26.9-27.1 / 50.6; T = 16384 16.6-16.8 against 14.2-14.4
 // (before absent_fill the whole warp took 29.1 / 55.0 at fp32 T = 32768 / 65536, and the form 10.7
 // against 6.1 at T = 4096: a lane's 20 values are one serial chain). Rows without that padding gained
-// nothing from
-// the form: ncu at kimi-k2 (E = 384) fp32 T = 65536 counted 703 warp instructions per row against the
-// whole warp's 730, ~50 per value and lane (the oracle-exact exp alone ~14), at 59% issue slots busy
-// against 77% (74.0 us against 57.9); E = 576 gained 5% at T = 65536 and lost at T <= 16384. (Forms
-// measured: batches of 4 and 2 stripes, prefetching the next batch, 16 lanes a row;
+// nothing from the form: ncu at kimi-k2 (E = 384) fp32 T = 65536 counted 703 warp instructions per row
+// against the whole warp's 730, ~50 per value and lane (the oracle-exact exp alone ~14), at 59% issue
+// slots busy against 77% (74.0 us against 57.9); E = 576 gained 5% at T = 65536 and lost at T <= 16384.
+// (Forms measured: batches of 4 and 2 stripes, prefetching the next batch, 16 lanes a row;
 // bench/results/h200_2026-12-01_s20_stream_narrow_ab.json.)
 bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* status) {
   using Shape = routing::StreamShape<routing::kStreamLanes, 6, 4, 2, 5>;

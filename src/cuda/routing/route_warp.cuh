@@ -31,8 +31,9 @@
 //   route_warp_wide<Shape, kPackedTopK = false>(p, first_row, picks): the same contract without a
 //   group limit, holding one batch of stripes in registers instead of the whole row (see "Wide
 //   rows" below): one row per warp (W = 32, any S; the caller skips warps whose row is past T), or
-//   narrow segments (W < 32, packed buffers only, any E up to 4 * W * S: the streamed narrow
-//   segments of kStreamLanes; a row past T reads row T - 1 and writes nothing).
+//   narrow segments (W < 32, packed buffers and a pre function other than softmax only, any E up
+//   to 4 * W * S: the streamed narrow segments of kStreamLanes; a row past T reads row T - 1 and
+//   writes nothing).
 //   kPackedTopK: route_warp: the packed candidate buffers (whole-warp rows up to E = 1024, any K;
 //       narrow segments with 2 <= W < 32 for kNarrowPackedMinK <= K <= W only, which the caller
 //       must ensure: narrow_packed_fits; see Top-K below); route_warp_wide: the same buffers up to
@@ -2040,12 +2041,11 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
       static_cast<const char*>(p.logits) + read_row * p.row_stride * static_cast<std::int64_t>(elem);
 
   // Softmax constants: route_warp's general path, one pass for the max, one for the sum (a
-  // single accumulator per lane with W = 32, adding the lane's values in stripe order; with W < 32
-  // the 32 / W accumulators of route_warp, stripe i adding to accumulator i % (32 / W)).
-  constexpr int NA = 32 / W;
+  // single accumulator per lane with W = 32, adding the lane's values in stripe order). Narrow
+  // segments serve rules without a softmax pre function only: routing.cu's stream Specs fix p.pre.
   SoftmaxRow sm{0.0f, 1.0f, 1.0f};
   bool sm_fast = true;
-  if (p.pre == PreFn::kSoftmax) {
+  if (W == 32 && p.pre == PreFn::kSoftmax) {
     float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
     wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/false, [&](int, const WideStripe& st) {
 #pragma unroll
@@ -2057,19 +2057,13 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
     });
     sm.m = key_score(segment_max<W>(score_key(mx)));
     sm_fast = __fadd_rn(mn, -sm.m) >= -44.0f;
-    float acc[NA] = {};
-    wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/false, [&](int i, const WideStripe& st) {
+    float acc[1] = {0.0f};
+    wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/false, [&](int, const WideStripe& st) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const float x = __fadd_rn(st.v[c], -sm.m);
         const float e = sm_fast ? exp_fast(x) : exp_any(x);
-        if constexpr (NA == 1) {
-          acc[0] = __fadd_rn(acc[0], finite(st.v[c]) ? e : 0.0f);
-        } else {
-          // Adding +0 leaves an accumulator's bits as they are (it starts at +0 and never holds -0).
-#pragma unroll
-          for (int a = 0; a < NA; ++a) acc[a] = __fadd_rn(acc[a], finite(st.v[c]) && i % NA == a ? e : 0.0f);
-        }
+        acc[0] = __fadd_rn(acc[0], finite(st.v[c]) ? e : 0.0f);
       }
     });
     sm.sum = softmax_row_sum<W>(acc);

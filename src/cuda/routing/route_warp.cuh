@@ -190,16 +190,20 @@ struct RouteShape {
                                                 : S >= 4 ? 4
                                                 : S >= 2 ? 2
                                                          : 1);
+  // route_warp_wide only: stripes loaded a batch at a time (see wide_visit_stripes), and the blocks per
+  // SM its kernels' __launch_bounds__ ask for (routing.cu's route_min_blocks).
+  static constexpr int kStripeBatch = 4;
+  static constexpr int kWideMinBlocks = 3;
   static_assert(W == 1 || W == 2 || W == 4 || W == 8 || W == 16 || W == 32, "W must be a power of two");
   static_assert(D >= 1 && D <= 4, "buffer depth");
 };
 
-// A shape of the streamed narrow segments (route_warp_wide with W < 32; kStreamLanes below):
-// kStreamBatch stripes loaded at a time, __launch_bounds__ of kStreamMinBlocks blocks per SM.
+// A shape of the streamed narrow segments (route_warp_wide with W < 32; kStreamLanes below), with its
+// own stripe batch and launch bounds.
 template <int W_, int S_, int D_, int kBatch, int kMinBlocks>
 struct StreamShape : RouteShape<W_, S_, D_> {
-  static constexpr int kStreamBatch = kBatch;
-  static constexpr int kStreamMinBlocks = kMinBlocks;
+  static constexpr int kStripeBatch = kBatch;
+  static constexpr int kWideMinBlocks = kMinBlocks;
 };
 
 // The picks a lane holds after route_warp: pick k = s * W + (lane % W) of row first_row +
@@ -1225,10 +1229,10 @@ __device__ __forceinline__ void group_limit_generic(const RouteParams& p,
   __syncwarp();
 }
 
-// Packed keys (select_top_k_packed) index the experts of whole-warp rows of up to 2048 experts in
-// their low 7-11 bits.
+// Packed keys (select_top_k_packed) index the experts of whole-warp rows of up to 2048 experts, and of
+// narrow segments (kNarrowPacked), in their low 7-11 bits.
 template <class Shape>
-inline constexpr bool kPackedKeys = Shape::W == 32 && Shape::S <= 16;
+inline constexpr bool kPackedKeys = (Shape::W == 32 && Shape::S <= 16) || kNarrowPacked<Shape>;
 // Bits of an expert index below Shape::kMaxExperts.
 template <class Shape>
 inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
@@ -1511,8 +1515,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
                                                     const Refill& refill) {
   constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
   constexpr std::uint32_t kIdx = kIndexMask<Shape>;
-  static_assert(kPackedKeys<Shape> || kNarrowPacked<Shape>,
-                "whole-warp rows up to E = 2048, or narrow segments");
+  static_assert(kPackedKeys<Shape>, "whole-warp rows up to E = 2048, or narrow segments");
   // K <= W (the launcher's narrow_packed_fits for narrow segments; always true with W = 32): pick k
   // lives in lane k of the segment, slot 0.
   const std::uint32_t my_pm = packed_rounds<W, D>(K, sl, bp);  // packed key of pick sl
@@ -1934,27 +1937,17 @@ struct WideStripe {
   float v[4], b[4];
 };
 
-// Stripes of a wide row loaded kWideBatch at a time: the loads of a batch are issued together,
-// then f(i, stripe) runs for each, in stripe order (one stripe's load at a time put a full
+// Stripes of a wide row loaded Shape::kStripeBatch (4 for whole warps) at a time: the loads of a batch are
+// issued together, then f(i, stripe) runs for each, in stripe order (one stripe's load at a time put a full
 // memory latency per stripe on a row's critical path). The batches are a loop, not unrolled:
 // every pass over the row (softmax, keys, the rescans of the exact rounds) is a copy of this
 // code, and unrolled they made a 49k-instruction kernel at E = 2048. with_bias: the pass needs
 // the bias (the key passes do, the softmax passes do not).
-constexpr int kWideBatch = 4;
-// Stripes a batch: kWideBatch, or a StreamShape's kStreamBatch.
-template <class Shape, class = void>
-struct WideBatch {
-  static constexpr int value = kWideBatch;
-};
-template <class Shape>
-struct WideBatch<Shape, std::void_t<decltype(Shape::kStreamBatch)>> {
-  static constexpr int value = Shape::kStreamBatch;
-};
 template <class Shape, class F>
 __device__ __forceinline__ void wide_visit_stripes(const RouteParams& p, const void* row_ptr, int lane4,
                                                    bool with_bias, const F& f) {
   using namespace dev;
-  constexpr int W = Shape::W, S = Shape::S, B = WideBatch<Shape>::value;
+  constexpr int W = Shape::W, S = Shape::S, B = Shape::kStripeBatch;
   const int E = p.num_experts;
   // Narrow segments (W < 32) serve any E up to the shape's 4 * W * S: only the stripes that reach
   // into the row run.
@@ -2088,7 +2081,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
   // choice, wide_packed_buffers). full_key recomputes an expert's key from its logit (and bias): the
   // checks ask for the picks' keys and some heads' (L1 / L2 hits). bf16 / fp16 logits without pre
   // function or bias have one key per bucket: no collision check and no full keys.
-  constexpr bool packed = kPackedTopK && (kPackedKeys<Shape> || kNarrowPacked<Shape>);
+  constexpr bool packed = kPackedTopK && kPackedKeys<Shape>;
   if constexpr (packed) {
     const std::uint32_t lane_inv = kIndexMask<Shape> - static_cast<std::uint32_t>(lane4);
     std::uint32_t bp[D] = {}, pnext = 0u;

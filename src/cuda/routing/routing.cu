@@ -108,22 +108,14 @@ constexpr bool kSpecialised = !std::is_same_v<SpecT, SpecGeneric>;
 // Blocks per SM the compiler must fit (__launch_bounds__): 8, i.e. at most 32 registers, for the
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
 // sigmoid + bias ones past kEarlyBiasMaxTokens, the others at every T); 3 (80 registers) for the
-// wide-row kernels (kWide: unbounded, the compiler took 104-143 to keep more loads in flight; a
-// StreamShape's kStreamMinBlocks for the streamed narrow segments); 1 elsewhere.
+// wide-row kernels (kWide: Shape::kWideMinBlocks, 3 but for a StreamShape; unbounded, the compiler
+// took 104-143 to keep more loads in flight); 1 elsewhere.
 // Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
 // T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
 // kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
-template <class Shape, class = void>
-struct StreamMinBlocks {
-  static constexpr int value = 3;
-};
-template <class Shape>
-struct StreamMinBlocks<Shape, std::void_t<decltype(Shape::kStreamMinBlocks)>> {
-  static constexpr int value = Shape::kStreamMinBlocks;
-};
 template <class Shape, class SpecT, bool kWide>
 constexpr int route_min_blocks() {
-  if (kWide) return StreamMinBlocks<Shape>::value;
+  if (kWide) return Shape::kWideMinBlocks;
   return (Shape::W == 32 && Shape::S >= 2 && Shape::S <= 3 && kSpecialised<SpecT> &&
           !SpecTraits<SpecT>::kEarlyBias)
              ? 8
@@ -193,12 +185,14 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
 }
 
 // The kernel of SpecT: for wide rows, the one with packed candidate buffers where SpecT is a
-// specialisation and routing::wide_packed_buffers(p) asks for them, else the one with plain buffers;
-// otherwise route_warp's, with kPackedTopK = kPacked (narrow segments: the caller checked
-// routing::narrow_packed_fits).
+// specialisation and routing::wide_packed_buffers(p) asks for them, else the one with plain buffers
+// (the streamed narrow segments, W < 32: always packed); otherwise route_warp's, with kPackedTopK =
+// kPacked (narrow segments: the caller checked routing::narrow_packed_fits).
 template <class Shape, class SpecT, bool kWide, bool kPacked = true>
 Status launch_route_for(const RouteParams& p, cudaStream_t stream) {
-  if constexpr (kWide) {
+  if constexpr (kWide && Shape::W < 32) {
+    return launch_route<Shape, SpecT, true, true>(p, stream);
+  } else if constexpr (kWide) {
     if constexpr (kSpecialised<SpecT>) {
       if (routing::wide_packed_buffers(p)) return launch_route<Shape, SpecT, true, true>(p, stream);
     }
@@ -424,17 +418,9 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
 bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* status) {
   using Shape = routing::StreamShape<routing::kStreamLanes, 6, 4, 2, 5>;
   static_assert(routing::kStreamMaxExperts <= Shape::kMaxExperts, "the stream shape's experts");
-  using SigmoidF32 = Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
-  using SigmoidBf16 = Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
-  if (SpecTraits<SigmoidF32>::matches(p)) {
-    *status = launch_route<Shape, SigmoidF32, true, true>(p, stream);
-    return true;
-  }
-  if (SpecTraits<SigmoidBf16>::matches(p)) {
-    *status = launch_route<Shape, SigmoidBf16, true, true>(p, stream);
-    return true;
-  }
-  return false;
+  return launch_first_match<
+      Shape, true, Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
+      Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, stream, status);
 }
 
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.

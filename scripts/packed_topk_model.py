@@ -17,6 +17,8 @@ import random
 import struct
 import sys
 
+stats_detail = False
+
 
 def fbits(x):
     return struct.unpack("<I", struct.pack("<f", x))[0]
@@ -69,6 +71,7 @@ def route(keys, E, K, D=None, bucket_exact=False):
     hm_bucket = max((pn[lane] if dry[lane] else 0) for lane in range(32)) & ~kidx
     exact = hm_bucket >= last_bucket
     unordered = False
+    collided = False
     if not bucket_exact:
         pair_shared = any(((pms[k] ^ pms[k + 1]) & ~kidx) == 0 for k in range(K - 1))
         head_in_last = [not dry[lane] and (bp[lane][0] & ~kidx) == last_bucket for lane in range(32)]
@@ -85,12 +88,19 @@ def route(keys, E, K, D=None, bucket_exact=False):
                     alone = (D < 2 or (b[1] & ~kidx) != last_bucket) and (pn[lane] & ~kidx) != last_bucket
                     if not alone or keys[kidx - (b[0] & kidx)] != f[K - 1]:
                         bad = True
+            collided = bad
             exact = exact or bad
-    if exact:
-        return "exact"
+    truth = sorted((e for e in range(kmax) if keys[e] != 0), key=lambda e: (-keys[e], e))[:K]
     if unordered:  # the picks sorted by (key desc, expert asc)
         es = sorted(es, key=lambda e: (-keys[e], e))
-    truth = sorted((e for e in range(kmax) if keys[e] != 0), key=lambda e: (-keys[e], e))[:K]
+    if exact:
+        # The exact rounds keep the picks whose key is above every doubt: above the largest hidden
+        # bucket and, after a collision (a doubt within the last pick's bucket), above that bucket.
+        bound = (max(hm_bucket, last_bucket) if collided else hm_bucket) | kidx
+        f = [keys[e] if real[k] else 0 for k, e in enumerate(es)]
+        r0 = next((k for k in range(K) if f[k] <= bound), K)
+        assert es[:r0] == truth[:r0], (E, K, r0, es, truth)
+        return ("collided" if collided else "exact") + (" from %d of %d" % (r0, K) if stats_detail else "")
     assert es == truth, (E, K, es, truth)
     return "sorted" if unordered else "fast"
 

@@ -1566,18 +1566,24 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
         bad = bad || !alone || full_key(static_cast<int>(kIdx - (bp[0] & kIdx))) != last_mk;
       }
       if constexpr (kSortRepair) unordered = __any_sync(kFullMask, differs);
-      // The exact rounds keep the picks before the first doubtful one only if they are in order.
-      collided = __any_sync(kFullMask, bad) || (exact && unordered);
+      collided = __any_sync(kFullMask, bad);
       exact = exact || collided;
     }
   }
+  // The exact rounds keep the picks before the first doubtful one (exact_rounds' r0), which must
+  // be in order: with kSortRepair the picks are sorted first, so that those above every doubt stay.
+  if (kSortRepair && unordered) sort_picks(K, sl, pick_key[0], pick_e[0]);  // uniform
   if (exact) {  // uniform
     std::uint32_t bk[D] = {}, next = 0u;
     int bb[D] = {};
-    // Every hidden key is <= hm_bucket | kIdx; refill rebuilds the full-key buffers.
-    exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, collided, hm_bucket | kIdx, refill);
-  } else if (kSortRepair && unordered) {  // uniform
-    sort_picks(K, sl, pick_key[0], pick_e[0]);
+    // Every hidden key is <= hm_bucket | kIdx. With kSortRepair a collision's doubt lies in the last
+    // pick's bucket (bad, above), so the picks of the buckets above it stay too: every candidate
+    // of such a bucket is a pick, and sorted they are the true first picks (only the last one or
+    // two rounds are redone; restarted from the first pick, these rows were the slowest of a
+    // call: session 21's timeline). refill rebuilds the full-key buffers.
+    const std::uint32_t bound = kSortRepair && collided ? max(hm_bucket, last_bucket) : hm_bucket;
+    exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, !kSortRepair && collided, bound | kIdx,
+                        refill);
   }
 }
 
@@ -1886,7 +1892,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 #pragma unroll
       for (int j = 0; j < V; ++j) packed_insert<D>(bp, pnext, packed_key<Shape>(key[j], lane_inv, j));
     }
-    select_top_k_packed<Shape, false>(
+    select_top_k_packed<Shape, true>(
         K, sl, lane4, bp, pnext, bucket_exact_keys(p), [&](int e) { return skey[e]; }, pick_key, pick_e,
         /*keys_needed=*/p.bias == nullptr, refill_from([&](int i, std::uint32_t(&keys)[4]) {
           const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);

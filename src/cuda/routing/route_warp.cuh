@@ -1316,7 +1316,7 @@ __device__ __forceinline__ void exact_rounds(int K, int sl, int lane4, std::uint
                                              int (&pick_e)[Shape::kSlots], bool collided, std::uint32_t hm,
                                              const Refill& refill) {
   constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
-  // After a collision of the packed pass they start over from the first pick.
+  // After a collision of the packed pass without kSortRepair they start over from the first pick.
   // First round whose key is <= hm, over the whole warp (K for rows that passed).
   int first = K;
 #pragma unroll
@@ -1501,8 +1501,14 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 //   last pick's bucket, sort_picks above it, as such a bucket is all picks; else the exact rounds
 //   wherever it is); or a lane's head is in the last pick's bucket and might hide a key there that
 //   outranks the last pick (its head's key differs from the last pick's, or its next candidate,
-//   buffered or hidden, is in that bucket too). The exact rounds then restart from the first pick.
-//   (scripts/packed_topk_model.py fuzzes this.)
+//   buffered or hidden, is in that bucket too). With kSortRepair (every caller since session 22)
+//   the exact rounds then redo only the last pick's bucket (and anything at or below a hidden
+//   bucket), after sort_picks; without it they restart from the first pick.
+//   (scripts/packed_topk_model.py fuzzes this, and checks the picks the exact rounds keep.)
+//   Measured on the H200 (same call, us, fp32; session 22): kimi-k2 / qwen3-next T = 128 3.19 / 3.33
+//   -> 2.83 / 2.84, wide-2048 T = 65536 259.8 -> 237.4, e576-grouped-k8 T = 128 5.94 -> 5.18; T = 1
+//   up to 5% slower (qwen3-next 1.86 -> 1.95), deepseek-v2 5% slower up to T = 1024; every point's
+//   geometric mean 0.999 (bench/results, ..._s22_ab_sort_repair.md).
 // - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
 //   the dry-lane test remains and a pick's key comes from its bucket.
 // full_key(e): the key of expert e of the row; refill as for select_top_k (full keys).

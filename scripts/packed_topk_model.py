@@ -37,7 +37,7 @@ def bf16(x):
     return struct.unpack("<f", struct.pack("<I", fbits(x) & 0xFFFF0000))[0]
 
 
-def route(keys, E, K, D=None, bucket_exact=False):
+def route(keys, E, K, D=None, bucket_exact=False, retries=2):
     """Returns 'fast' (check passed; picks verified) or 'exact' (exact rounds would run)."""
     S = (E + 127) // 128
     kmax = 128 * S
@@ -64,6 +64,40 @@ def route(keys, E, K, D=None, bucket_exact=False):
         for b in bp:
             if b[0] == pm:
                 b[:] = b[1:] + [0]
+    # Packed retry (kRetry): while a dry lane hides a bucket at or above the last pick's, keep the
+    # picks above every hidden bucket (the first r0: all candidates with packed key >= pick r0 - 1's),
+    # rebuild every lane's buffers from its candidates below that pick and redo rounds r0 .. K - 1.
+    prev_r0 = 0
+    for _ in range(retries):
+        last_b = pms[K - 1] & ~kidx
+        hb = max((pn[lane] if bp[lane][0] <= kidx else 0) for lane in range(32)) & ~kidx
+        if hb < last_b:
+            break
+        r0 = next(k for k in range(K) if (pms[k] & ~kidx) <= hb)
+        if r0 <= prev_r0:
+            break
+        thr = pms[r0 - 1]
+        for lane in range(32):
+            b = [0] * D
+            n = 0
+            for j in range(4 * S):
+                i, c = divmod(j, 4)
+                e = 128 * i + 4 * lane + c
+                x = (keys[e] & ~kidx) | (kidx - e)
+                x = x if x < thr else 0
+                n = max(n, min(x, b[D - 1]))
+                for d in range(D - 1, 0, -1):
+                    b[d] = max(b[d], min(x, b[d - 1]))
+                b[0] = max(b[0], x)
+            bp[lane] = b
+            pn[lane] = n
+        for k in range(r0, K):
+            pm = max(b[0] for b in bp)
+            pms[k] = pm
+            for b in bp:
+                if b[0] == pm:
+                    b[:] = b[1:] + [0]
+        prev_r0 = r0
     real = [pm > kidx for pm in pms]
     es = [kidx - (pm & kidx) for pm in pms]
     last_bucket = pms[K - 1] & ~kidx

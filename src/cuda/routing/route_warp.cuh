@@ -1276,6 +1276,31 @@ __device__ __forceinline__ std::uint32_t packed_rounds(int K, int sl, std::uint3
   return my_pm;
 }
 
+// select_top_k_packed's rebuild argument where the caller has none (no packed retry).
+struct NoPackedRebuild {
+  template <int D>
+  __device__ void operator()(std::uint32_t (&)[D], std::uint32_t&, std::uint32_t) const {}
+};
+// Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed).
+inline constexpr int kPackedRetries = 2;
+
+// Rounds r0 .. K - 1 of packed_rounds on rebuilt buffers (the retry; a runtime loop: it is rare).
+template <int W, int D>
+__device__ __forceinline__ std::uint32_t packed_rounds_from(int K, int r0, int sl, std::uint32_t (&bp)[D],
+                                                            std::uint32_t my_pm) {
+#pragma unroll 1
+  for (int r = r0; r < K; ++r) {
+    const std::uint32_t pm = segment_max<W>(bp[0]);
+    if (sl == r) my_pm = pm;
+    if (bp[0] == pm) {
+#pragma unroll
+      for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
+      bp[D - 1] = 0u;
+    }
+  }
+  return my_pm;
+}
+
 // The plain fast pass of select_top_k: rounds of two segment reductions (max key, then min expert
 // among equal keys), at most kRounds of them.
 template <class Shape, int kRounds>
@@ -1512,19 +1537,39 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 // - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
 //   the dry-lane test remains and a pick's key comes from its bucket.
 // full_key(e): the key of expert e of the row; refill as for select_top_k (full keys).
-template <class Shape, bool kSortRepair, class FullKey, class Refill>
+template <class Shape, bool kSortRepair, class FullKey, class Refill, class Rebuild = NoPackedRebuild>
 __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, std::uint32_t (&bp)[Shape::D],
                                                     std::uint32_t pnext, bool bucket_exact,
                                                     const FullKey& full_key,
                                                     std::uint32_t (&pick_key)[Shape::kSlots],
                                                     int (&pick_e)[Shape::kSlots], bool keys_needed,
-                                                    const Refill& refill) {
+                                                    const Refill& refill, const Rebuild& rebuild = {}) {
   constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
   constexpr std::uint32_t kIdx = kIndexMask<Shape>;
   static_assert(kPackedKeys<Shape>, "whole-warp rows up to E = 2048, or narrow segments");
   // K <= W (the launcher's narrow_packed_fits for narrow segments; always true with W = 32): pick k
   // lives in lane k of the segment, slot 0.
-  const std::uint32_t my_pm = packed_rounds<W, D>(K, sl, bp);  // packed key of pick sl
+  std::uint32_t my_pm = packed_rounds<W, D>(K, sl, bp);  // packed key of pick sl
+  if constexpr (W == 32 && !std::is_same_v<Rebuild, NoPackedRebuild>) {
+    // Packed retry (scripts/packed_topk_model.py models it): while a dry lane hides a bucket at or
+    // above the last pick's, the picks above every hidden bucket (the first r0) are all the candidates
+    // with packed keys >= pick r0 - 1's; rebuild(bp, pnext, thr) refills every lane's buffers from its
+    // candidates below thr = that key, and rounds r0 .. K - 1 are redone. Rows still in doubt (no
+    // progress, or after kPackedRetries) take the exact rounds below.
+    int prev_r0 = 0;
+#pragma unroll 1
+    for (int attempt = 0; attempt < kPackedRetries; ++attempt) {
+      const std::uint32_t lb = __shfl_sync(kFullMask, my_pm, K - 1) & ~kIdx;
+      const std::uint32_t hb = segment_max<W>(bp[0] <= kIdx ? pnext : 0u) & ~kIdx;
+      if (hb < lb) break;  // uniform
+      const int r0 = static_cast<int>(
+          __reduce_min_sync(kFullMask, sl < K && (my_pm & ~kIdx) <= hb ? static_cast<unsigned>(sl) : 32u));
+      if (r0 <= prev_r0) break;  // uniform
+      rebuild(bp, pnext, __shfl_sync(kFullMask, my_pm, r0 - 1));
+      my_pm = packed_rounds_from<W, D>(K, r0, sl, bp, my_pm);
+      prev_r0 = r0;
+    }
+  }
   const bool has = sl < K;
   const bool real = has && my_pm > kIdx;  // not a round in which every lane was dry
   const int e = static_cast<int>(kIdx - (my_pm & kIdx));
@@ -1900,13 +1945,29 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     }
     select_top_k_packed<Shape, true>(
         K, sl, lane4, bp, pnext, bucket_exact_keys(p), [&](int e) { return skey[e]; }, pick_key, pick_e,
-        /*keys_needed=*/p.bias == nullptr, refill_from([&](int i, std::uint32_t(&keys)[4]) {
+        /*keys_needed=*/p.bias == nullptr,
+        refill_from([&](int i, std::uint32_t(&keys)[4]) {
           const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
           keys[0] = q.x;
           keys[1] = q.y;
           keys[2] = q.z;
           keys[3] = q.w;
-        }));
+        }),
+        [&](std::uint32_t(&rb)[D], std::uint32_t& rn, std::uint32_t thr) {
+#pragma unroll
+          for (int d = 0; d < D; ++d) rb[d] = 0u;
+          rn = 0u;
+#pragma unroll
+          for (int i = 0; i < S; ++i) {
+            const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
+            const std::uint32_t k4[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const std::uint32_t x = packed_key<Shape>(k4[c], lane_inv, 4 * i + c);
+              packed_insert<D>(rb, rn, x < thr ? x : 0u);
+            }
+          }
+        });
   } else {
     std::uint32_t bk[D] = {}, next = 0u;
     int bb[D] = {};

@@ -1281,8 +1281,15 @@ struct NoPackedRebuild {
   template <int D>
   __device__ void operator()(std::uint32_t (&)[D], std::uint32_t&, std::uint32_t) const {}
 };
-// Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed).
+// Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed),
+// for whole-warp rows of 2 or 4 stripes. Measured on the H200 (same call, fp32, us, against the exact
+// rounds alone; session 22): deepseek-v3 T = 256 / 1024 / 4096 3.13 / 3.82 / 6.50 -> 2.75 / 3.54 /
+// 6.20, qwen3-next T = 256 / 4096 3.43 / 8.09 -> 2.97 / 7.30, glm-4.5 T = 256 2.83 -> 2.53; T = 1 up to
+// 4% slower. With 3 stripes (kimi-k2, 32 registers) it spilled (8 -> 24 bytes of stack) and was 2-3%
+// slower from T = 1024 on; with 1 stripe (qwen3-235b) 4-8% slower up to T = 1024: not compiled there.
 inline constexpr int kPackedRetries = 2;
+template <class Shape>
+inline constexpr bool kPackedRetry = Shape::W == 32 && (Shape::S == 2 || Shape::S == 4);
 
 // Rounds r0 .. K - 1 of packed_rounds on rebuilt buffers (the retry; a runtime loop: it is rare).
 template <int W, int D>
@@ -1550,7 +1557,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   // K <= W (the launcher's narrow_packed_fits for narrow segments; always true with W = 32): pick k
   // lives in lane k of the segment, slot 0.
   std::uint32_t my_pm = packed_rounds<W, D>(K, sl, bp);  // packed key of pick sl
-  if constexpr (W == 32 && !std::is_same_v<Rebuild, NoPackedRebuild>) {
+  if constexpr (kPackedRetry<Shape> && !std::is_same_v<Rebuild, NoPackedRebuild>) {
     // Packed retry (scripts/packed_topk_model.py models it): while a dry lane hides a bucket at or
     // above the last pick's, the picks above every hidden bucket (the first r0) are all the candidates
     // with packed keys >= pick r0 - 1's; rebuild(bp, pnext, thr) refills every lane's buffers from its

@@ -1283,10 +1283,12 @@ struct NoPackedRebuild {
 };
 // Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed),
 // for whole-warp rows of 2 or 4 stripes. Measured on the H200 (same call, fp32, us, against the exact
-// rounds alone; session 22): deepseek-v3 T = 256 / 1024 / 4096 3.13 / 3.82 / 6.50 -> 2.75 / 3.54 /
-// 6.20, qwen3-next T = 256 / 4096 3.43 / 8.09 -> 2.97 / 7.30, glm-4.5 T = 256 2.83 -> 2.53; T = 1 up to
-// 4% slower. With 3 stripes (kimi-k2, 32 registers) it spilled (8 -> 24 bytes of stack) and was 2-3%
-// slower from T = 1024 on; with 1 stripe (qwen3-235b) 4-8% slower up to T = 1024: not compiled there.
+// rounds alone; session 22, bench/results ..._s22_ab_packed_retry.md): deepseek-v3 T = 256 / 1024 /
+// 4096 3.15 / 3.72 / 6.43 -> 2.63 / 3.66 / 6.20, qwen3-next T = 256 / 4096 3.49 / 8.14 -> 2.94 / 7.33,
+// glm-4.5 T = 256 2.96 -> 2.62; T = 1 up to 4% slower, T = 65536 unchanged. In every whole-warp shape
+// (call 6 there), 3 stripes (kimi-k2's 32-register kernel) spilled (8 -> 24 bytes of stack) and were
+// 2-3% slower from T = 1024 on, and 1 stripe (qwen3-235b) 4-8% slower up to T = 1024: not compiled
+// there.
 inline constexpr int kPackedRetries = 2;
 template <class Shape>
 inline constexpr bool kPackedRetry = Shape::W == 32 && (Shape::S == 2 || Shape::S == 4);

@@ -1255,6 +1255,14 @@ __device__ __forceinline__ std::uint32_t packed_key(std::uint32_t key, std::uint
 // every T.)
 inline constexpr int kPackedMinK = 2;
 
+// Removes a packed buffer's head (the lane's pick of a round): the rest move up, the tail empties.
+template <int D>
+__device__ __forceinline__ void packed_pop(std::uint32_t (&bp)[D]) {
+#pragma unroll
+  for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
+  bp[D - 1] = 0u;
+}
+
 // The packed top-K rounds of a row (select_top_k_packed): K <= W rounds of one segment max over the
 // lanes' packed heads bp[0] (a redux.sync for a whole warp, a shuffle butterfly in a narrow
 // segment); the winner (a row's packed keys are distinct) pops its head. Returns the packed key of
@@ -1267,11 +1275,7 @@ __device__ __forceinline__ std::uint32_t packed_rounds(int K, int sl, std::uint3
     if (r >= K) break;  // uniform
     const std::uint32_t pm = segment_max<W>(bp[0]);
     if (sl == r) my_pm = pm;
-    if (bp[0] == pm) {
-#pragma unroll
-      for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
-      bp[D - 1] = 0u;
-    }
+    if (bp[0] == pm) packed_pop<D>(bp);
   }
   return my_pm;
 }
@@ -1301,11 +1305,7 @@ __device__ __forceinline__ std::uint32_t packed_rounds_from(int K, int r0, int s
   for (int r = r0; r < K; ++r) {
     const std::uint32_t pm = segment_max<W>(bp[0]);
     if (sl == r) my_pm = pm;
-    if (bp[0] == pm) {
-#pragma unroll
-      for (int d = 0; d + 1 < D; ++d) bp[d] = bp[d + 1];
-      bp[D - 1] = 0u;
-    }
+    if (bp[0] == pm) packed_pop<D>(bp);
   }
   return my_pm;
 }
@@ -1633,7 +1633,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   // The exact rounds keep the picks before the first doubtful one (exact_rounds' r0), which must
   // be in order: with kSortRepair the picks are sorted first, so that those above every doubt stay.
   if (kSortRepair && unordered) sort_picks(K, sl, pick_key[0], pick_e[0]);  // uniform
-  if (exact) {  // uniform
+  if (exact) {                                                              // uniform
     std::uint32_t bk[D] = {}, next = 0u;
     int bb[D] = {};
     // Every hidden key is <= hm_bucket | kIdx. With kSortRepair a collision's doubt lies in the last
@@ -1954,8 +1954,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
     }
     select_top_k_packed<Shape, true>(
         K, sl, lane4, bp, pnext, bucket_exact_keys(p), [&](int e) { return skey[e]; }, pick_key, pick_e,
-        /*keys_needed=*/p.bias == nullptr,
-        refill_from([&](int i, std::uint32_t(&keys)[4]) {
+        /*keys_needed=*/p.bias == nullptr, refill_from([&](int i, std::uint32_t(&keys)[4]) {
           const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
           keys[0] = q.x;
           keys[1] = q.y;

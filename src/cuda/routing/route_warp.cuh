@@ -1340,23 +1340,22 @@ __device__ __forceinline__ std::uint32_t plain_fast_pass(int K, int sl, int lane
 }
 
 // The exact rounds of select_top_k (see there), run when its fast pass could not vouch for its
-// picks: from the first pick whose key is <= hm (the largest key a dry lane hides; every pick when
-// `collided`), with the buffers refilled by refill(bk, bb, next, k, e, lane_offset) from the
-// candidates ranking after the last pick kept.
+// picks: from the first pick whose key is <= hm (the largest key a dry lane hides, or the bound of
+// select_top_k_packed's doubt), with the buffers refilled by refill(bk, bb, next, k, e, lane_offset)
+// from the candidates ranking after the last pick kept.
 template <class Shape, class Refill>
 __device__ __forceinline__ void exact_rounds(int K, int sl, int lane4, std::uint32_t (&bk)[Shape::D],
                                              int (&bb)[Shape::D], std::uint32_t& next,
                                              std::uint32_t (&pick_key)[Shape::kSlots],
-                                             int (&pick_e)[Shape::kSlots], bool collided, std::uint32_t hm,
+                                             int (&pick_e)[Shape::kSlots], std::uint32_t hm,
                                              const Refill& refill) {
   constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
-  // After a collision of the packed pass without kSortRepair they start over from the first pick.
   // First round whose key is <= hm, over the whole warp (K for rows that passed).
   int first = K;
 #pragma unroll
   for (int s = 0; s < SL; ++s) {
     const int k = s * W + sl;
-    if (k < K && (collided || pick_key[s] <= hm)) first = min(first, k);
+    if (k < K && pick_key[s] <= hm) first = min(first, k);
   }
   const int r0 = static_cast<int>(__reduce_min_sync(kFullMask, static_cast<unsigned>(first)));
   // Picks 0 .. r0 - 1 are the row's true top r0, i.e. every candidate that ranks at or above
@@ -1454,7 +1453,7 @@ __device__ __forceinline__ void select_top_k(int K, int sl, int lane4, std::uint
   if constexpr (D < V) {
     const std::uint32_t hm = segment_max<W>(bk[0] == 0u ? next : 0u);  // the largest hidden key
     if (__any_sync(kFullMask, hm >= last_mk))                          // uniform
-      exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, /*collided=*/false, hm, refill);
+      exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, hm, refill);
   }
 }
 
@@ -1531,13 +1530,12 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 //   buffer (a lane's head ranks after the last pick, its buffer and hidden keys after its head).
 // - So the picks are exact unless: a dry lane hides a bucket at or above the last pick's (then the
 //   exact rounds run from the first pick whose key could be at or below a hidden one); two
-//   neighbouring picks share a bucket with different keys (kSortRepair: the exact rounds in the
-//   last pick's bucket, sort_picks above it, as such a bucket is all picks; else the exact rounds
-//   wherever it is); or a lane's head is in the last pick's bucket and might hide a key there that
-//   outranks the last pick (its head's key differs from the last pick's, or its next candidate,
-//   buffered or hidden, is in that bucket too). With kSortRepair (every caller since session 22)
-//   the exact rounds then redo only the last pick's bucket (and anything at or below a hidden
-//   bucket), after sort_picks; without it they restart from the first pick.
+//   neighbouring picks share a bucket with different keys (the exact rounds in the last pick's
+//   bucket; above it sort_picks, as such a bucket is all picks); or a lane's head is in the last
+//   pick's bucket and might hide a key there that outranks the last pick (its head's key differs
+//   from the last pick's, or its next candidate, buffered or hidden, is in that bucket too). The
+//   exact rounds then redo only the last pick's bucket (and anything at or below a hidden bucket),
+//   after sort_picks (since session 22; before, route_warp restarted them from the first pick).
 //   (scripts/packed_topk_model.py fuzzes this, and checks the picks the exact rounds keep.)
 //   Measured on the H200 (same call, us, fp32; session 22): kimi-k2 / qwen3-next T = 128 3.19 / 3.33
 //   -> 2.83 / 2.84, wide-2048 T = 65536 259.8 -> 237.4, e576-grouped-k8 T = 128 5.94 -> 5.18; T = 1
@@ -1546,7 +1544,7 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 // - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
 //   the dry-lane test remains and a pick's key comes from its bucket.
 // full_key(e): the key of expert e of the row; refill as for select_top_k (full keys).
-template <class Shape, bool kSortRepair, class FullKey, class Refill, class Rebuild = NoPackedRebuild>
+template <class Shape, class FullKey, class Refill, class Rebuild = NoPackedRebuild>
 __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, std::uint32_t (&bp)[Shape::D],
                                                     std::uint32_t pnext, bool bucket_exact,
                                                     const FullKey& full_key,
@@ -1619,31 +1617,30 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
       // a bucket before any of a lower one, so a bucket above the last pick's is all picks; sorting
       // the picks repairs the order (sort_picks, below).
       const bool differs = pair_shared && f != fn;
-      bool bad = differs && (!kSortRepair || (my_pm & ~kIdx) == last_bucket);
+      bool bad = differs && (my_pm & ~kIdx) == last_bucket;
       if (head_in_last) {
         const bool alone =
             (D < 2 || (bp[D > 1 ? 1 : 0] & ~kIdx) != last_bucket) && (pnext & ~kIdx) != last_bucket;
         bad = bad || !alone || full_key(static_cast<int>(kIdx - (bp[0] & kIdx))) != last_mk;
       }
-      if constexpr (kSortRepair) unordered = __any_sync(kFullMask, differs);
+      unordered = __any_sync(kFullMask, differs);
       collided = __any_sync(kFullMask, bad);
       exact = exact || collided;
     }
   }
   // The exact rounds keep the picks before the first doubtful one (exact_rounds' r0), which must
-  // be in order: with kSortRepair the picks are sorted first, so that those above every doubt stay.
-  if (kSortRepair && unordered) sort_picks(K, sl, pick_key[0], pick_e[0]);  // uniform
-  if (exact) {                                                              // uniform
+  // be in order: the picks are sorted first, so that those above every doubt stay.
+  if (unordered) sort_picks(K, sl, pick_key[0], pick_e[0]);  // uniform
+  if (exact) {                                               // uniform
     std::uint32_t bk[D] = {}, next = 0u;
     int bb[D] = {};
-    // Every hidden key is <= hm_bucket | kIdx. With kSortRepair a collision's doubt lies in the last
+    // Every hidden key is <= hm_bucket | kIdx. A collision's doubt lies in the last
     // pick's bucket (bad, above), so the picks of the buckets above it stay too: every candidate
     // of such a bucket is a pick, and sorted they are the true first picks (only the last one or
     // two rounds are redone; restarted from the first pick, these rows were the slowest of a
     // call: session 21's timeline). refill rebuilds the full-key buffers.
-    const std::uint32_t bound = kSortRepair && collided ? max(hm_bucket, last_bucket) : hm_bucket;
-    exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, !kSortRepair && collided, bound | kIdx,
-                        refill);
+    const std::uint32_t bound = collided ? max(hm_bucket, last_bucket) : hm_bucket;
+    exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, bound | kIdx, refill);
   }
 }
 
@@ -1952,7 +1949,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 #pragma unroll
       for (int j = 0; j < V; ++j) packed_insert<D>(bp, pnext, packed_key<Shape>(key[j], lane_inv, j));
     }
-    select_top_k_packed<Shape, true>(
+    select_top_k_packed<Shape>(
         K, sl, lane4, bp, pnext, bucket_exact_keys(p), [&](int e) { return skey[e]; }, pick_key, pick_e,
         /*keys_needed=*/p.bias == nullptr, refill_from([&](int i, std::uint32_t(&keys)[4]) {
           const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
@@ -2179,9 +2176,8 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
       return canonical_key(q);
     };
     // With a bias finish_row takes p from the logit: the picks' keys are not needed there.
-    select_top_k_packed<Shape, true>(K, sl, lane4, bp, pnext, bucket_exact_keys(p), full_key, pick_key,
-                                     pick_e,
-                                     /*keys_needed=*/p.bias == nullptr, refill);
+    select_top_k_packed<Shape>(K, sl, lane4, bp, pnext, bucket_exact_keys(p), full_key, pick_key, pick_e,
+                               /*keys_needed=*/p.bias == nullptr, refill);
   } else {
     std::uint32_t bk[D] = {}, next = 0u;
     int bb[D] = {};

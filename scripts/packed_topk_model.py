@@ -9,7 +9,9 @@ lane-heavy rows, group-limited rows, bf16 values, non-finite values) and asserts
 the check accepts the fast pass (sorted or not), its picks are the true top-K in (key desc,
 expert asc) order. It also reports how often the exact rounds run and how often the sort does.
 Since session 22 it models the packed retry of dry-lane doubts (route_warp, 2 or 4 stripes) and
-asserts that the picks the exact rounds keep are the true first picks.
+asserts that the picks the exact rounds keep are the true first picks; since session 23 the bucket
+rounds of rows whose only doubt is a collision in the last pick's bucket (route_warp's whole-warp
+rows), whose picks it asserts are the true top-K.
 
 This checks the algorithm, not the CUDA code (the GPU tests compare the kernels with the CPU
 oracle); run it after changing the check:
@@ -39,7 +41,7 @@ def bf16(x):
     return struct.unpack("<f", struct.pack("<I", fbits(x) & 0xFFFF0000))[0]
 
 
-def route(keys, E, K, D=None, bucket_exact=False, retries=2):
+def route(keys, E, K, D=None, bucket_exact=False, retries=2, bucket_rounds=True):
     """Returns 'fast' (check passed; picks verified) or 'exact' (exact rounds would run)."""
     S = (E + 127) // 128
     kmax = 128 * S
@@ -129,6 +131,33 @@ def route(keys, E, K, D=None, bucket_exact=False, retries=2):
     truth = sorted((e for e in range(kmax) if keys[e] != 0), key=lambda e: (-keys[e], e))[:K]
     if unordered:  # the picks sorted by (key desc, expert asc)
         es = sorted(es, key=lambda e: (-keys[e], e))
+    if bucket_rounds and collided and hm_bucket < last_bucket:
+        # Bucket rounds (route_warp's whole-warp rows): picks rb .. K - 1 are the last pick's bucket's
+        # best candidates by full key; each lane ranks its keys of that bucket by (low bits, inverted
+        # expert) and rescans below the round's pick only when it gave it and held another.
+        rb = next(k for k in range(K) if (keys[es[k]] & ~kidx) == last_bucket)
+
+        def bucket_best(lane, thr):
+            ms = []
+            for j in range(4 * S):
+                i, c = divmod(j, 4)
+                e = 128 * i + 4 * lane + c
+                if (keys[e] & ~kidx) == last_bucket:
+                    m = (1 << 31) | ((keys[e] & kidx) << bits) | (kidx - e)
+                    if m < thr:
+                        ms.append(m)
+            return (max(ms) if ms else 0), len(ms) > 1
+
+        lanes = [list(bucket_best(lane, 0xFFFFFFFF)) for lane in range(32)]
+        for k in range(rb, K):
+            pm = max(m for m, _ in lanes)
+            assert pm != 0
+            es[k] = kidx - (pm & kidx)
+            for lane in range(32):
+                if lanes[lane][0] == pm:
+                    lanes[lane] = list(bucket_best(lane, pm)) if lanes[lane][1] else [0, False]
+        assert es == truth, (E, K, rb, es, truth)
+        return "bucket"
     if exact:
         # The exact rounds keep the picks whose key is above every doubt: above the largest hidden
         # bucket and, after a collision (a doubt within the last pick's bucket), above that bucket.

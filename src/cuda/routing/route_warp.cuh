@@ -1280,10 +1280,10 @@ __device__ __forceinline__ std::uint32_t packed_rounds(int K, int sl, std::uint3
   return my_pm;
 }
 
-// select_top_k_packed's rebuild argument where the caller has none (no packed retry).
-struct NoPackedRebuild {
-  template <int D>
-  __device__ void operator()(std::uint32_t (&)[D], std::uint32_t&, std::uint32_t) const {}
+// select_top_k_packed's stripe argument where the caller has no full keys of the row at hand (no packed
+// retry, no bucket rounds).
+struct NoKeyStripes {
+  __device__ void operator()(int, std::uint32_t (&)[4]) const {}
 };
 // Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed),
 // for whole-warp rows of 2 or 4 stripes. Measured on the H200 (same call, fp32, us, against the exact
@@ -1296,6 +1296,10 @@ struct NoPackedRebuild {
 inline constexpr int kPackedRetries = 2;
 template <class Shape>
 inline constexpr bool kPackedRetry = Shape::W == 32 && (Shape::S == 2 || Shape::S == 4);
+// Bucket rounds of a row whose only doubt is a collision in the last pick's bucket (select_top_k_packed):
+// whole-warp rows with their full keys at hand.
+template <class Shape>
+inline constexpr bool kBucketRounds = Shape::W == 32;
 
 // Rounds r0 .. K - 1 of packed_rounds on rebuilt buffers (the retry; a runtime loop: it is rare).
 template <int W, int D>
@@ -1543,37 +1547,59 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 //   geometric mean 0.999 (bench/results, ..._s22_ab_sort_repair.md).
 // - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
 //   the dry-lane test remains and a pick's key comes from its bucket.
-// full_key(e): the key of expert e of the row; refill as for select_top_k (full keys).
-template <class Shape, class FullKey, class Refill, class Rebuild = NoPackedRebuild>
+// full_key(e): the key of expert e of the row; refill as for select_top_k (full keys); stripe(i, keys):
+// the full keys of the lane's stripe i (experts value_base(4 i + c) + lane4), for the packed retry and
+// the bucket rounds (NoKeyStripes: neither).
+template <class Shape, class FullKey, class Refill, class Stripe = NoKeyStripes>
 __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, std::uint32_t (&bp)[Shape::D],
                                                     std::uint32_t pnext, bool bucket_exact,
                                                     const FullKey& full_key,
                                                     std::uint32_t (&pick_key)[Shape::kSlots],
                                                     int (&pick_e)[Shape::kSlots], bool keys_needed,
-                                                    const Refill& refill, const Rebuild& rebuild = {}) {
-  constexpr int W = Shape::W, D = Shape::D, SL = Shape::kSlots;
+                                                    const Refill& refill, const Stripe& stripe = {}) {
+  constexpr int W = Shape::W, D = Shape::D, S = Shape::S, SL = Shape::kSlots;
   constexpr std::uint32_t kIdx = kIndexMask<Shape>;
+  constexpr bool kStripes = !std::is_same_v<Stripe, NoKeyStripes>;
   static_assert(kPackedKeys<Shape>, "whole-warp rows up to E = 2048, or narrow segments");
+  const std::uint32_t lane_inv = kIdx - static_cast<std::uint32_t>(lane4);
   // K <= W (the launcher's narrow_packed_fits for narrow segments; always true with W = 32): pick k
   // lives in lane k of the segment, slot 0.
   std::uint32_t my_pm = packed_rounds<W, D>(K, sl, bp);  // packed key of pick sl
-  if constexpr (kPackedRetry<Shape> && !std::is_same_v<Rebuild, NoPackedRebuild>) {
+  // The last pick's bucket and the largest bucket a dry lane hides (its keys are <= hm_bucket | kIdx).
+  std::uint32_t last_bucket = __shfl_sync(kFullMask, my_pm, K - 1, W) & ~kIdx;
+  bool dry = bp[0] <= kIdx;
+  std::uint32_t hm_bucket = segment_max<W>(dry ? pnext : 0u) & ~kIdx;
+  if constexpr (kPackedRetry<Shape> && kStripes) {
     // Packed retry (scripts/packed_topk_model.py models it): while a dry lane hides a bucket at or
     // above the last pick's, the picks above every hidden bucket (the first r0) are all the candidates
-    // with packed keys >= pick r0 - 1's; rebuild(bp, pnext, thr) refills every lane's buffers from its
-    // candidates below thr = that key, and rounds r0 .. K - 1 are redone. Rows still in doubt (no
-    // progress, or after kPackedRetries) take the exact rounds below.
+    // with packed keys >= pick r0 - 1's; every lane refills its buffers from its candidates below
+    // thr = that key, and rounds r0 .. K - 1 are redone. Rows still in doubt (no progress, or after
+    // kPackedRetries) take the exact rounds below.
     int prev_r0 = 0;
 #pragma unroll 1
     for (int attempt = 0; attempt < kPackedRetries; ++attempt) {
-      const std::uint32_t lb = __shfl_sync(kFullMask, my_pm, K - 1) & ~kIdx;
-      const std::uint32_t hb = segment_max<W>(bp[0] <= kIdx ? pnext : 0u) & ~kIdx;
-      if (hb < lb) break;  // uniform
-      const int r0 = static_cast<int>(
-          __reduce_min_sync(kFullMask, sl < K && (my_pm & ~kIdx) <= hb ? static_cast<unsigned>(sl) : 32u));
+      if (hm_bucket < last_bucket) break;  // uniform
+      const int r0 = static_cast<int>(__reduce_min_sync(
+          kFullMask, sl < K && (my_pm & ~kIdx) <= hm_bucket ? static_cast<unsigned>(sl) : 32u));
       if (r0 <= prev_r0) break;  // uniform
-      rebuild(bp, pnext, __shfl_sync(kFullMask, my_pm, r0 - 1));
+      const std::uint32_t thr = __shfl_sync(kFullMask, my_pm, r0 - 1);
+#pragma unroll
+      for (int d = 0; d < D; ++d) bp[d] = 0u;
+      pnext = 0u;
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        std::uint32_t k4[4];
+        stripe(i, k4);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const std::uint32_t x = packed_key<Shape>(k4[c], lane_inv, 4 * i + c);
+          packed_insert<D>(bp, pnext, x < thr ? x : 0u);
+        }
+      }
       my_pm = packed_rounds_from<W, D>(K, r0, sl, bp, my_pm);
+      last_bucket = __shfl_sync(kFullMask, my_pm, K - 1) & ~kIdx;
+      dry = bp[0] <= kIdx;
+      hm_bucket = segment_max<W>(dry ? pnext : 0u) & ~kIdx;
       prev_r0 = r0;
     }
   }
@@ -1590,9 +1616,6 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   // finite (it takes p from the logit when there is a bias), and the bucket of a finite key is
   // finite too (the keys of +-inf are whole buckets).
   pick_key[0] = real ? my_pm & ~kIdx : 0u;
-  const std::uint32_t last_bucket = __shfl_sync(kFullMask, my_pm, K - 1, W) & ~kIdx;
-  const bool dry = bp[0] <= kIdx;
-  const std::uint32_t hm_bucket = segment_max<W>(dry ? pnext : 0u) & ~kIdx;
   // Also when the last round found every lane dry. Warp-uniform (the exact rounds shuffle over the
   // whole warp): with narrow segments, one row's doubt sends every row of the warp there, which is
   // exact for the others too (they redo rounds they had right).
@@ -1631,7 +1654,52 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   // The exact rounds keep the picks before the first doubtful one (exact_rounds' r0), which must
   // be in order: the picks are sorted first, so that those above every doubt stay.
   if (unordered) sort_picks(K, sl, pick_key[0], pick_e[0]);  // uniform
-  if (exact) {                                               // uniform
+  if constexpr (kBucketRounds<Shape> && kStripes) {
+    if (collided && hm_bucket < last_bucket) {  // uniform: the collision is the only doubt
+      // Bucket rounds. Every candidate of a bucket above the last pick's is a pick (in order, above),
+      // and no dry lane hides a key of the last pick's bucket; so picks rb .. K - 1, those of that
+      // bucket, are its K - rb best candidates by full key. A lane's keys of that bucket, remapped to
+      // (low key bits, inverted expert index), rank them with one redux.sync a round; a lane scans
+      // its keys again only after giving a pick while it holds another. (Instead of the exact rounds:
+      // they cost ~0.7 us of a lone row's latency, and these rows set the time of most calls from
+      // T = 1024 on.)
+      const auto bucket_best = [&](std::uint32_t thr, bool& more) {
+        std::uint32_t best = 0u;
+        int n = 0;
+#pragma unroll
+        for (int i = 0; i < S; ++i) {
+          std::uint32_t k4[4];
+          stripe(i, k4);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const std::uint32_t inv = lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c));
+            const std::uint32_t m =
+                (k4[c] & ~kIdx) == last_bucket ? 0x80000000u | (k4[c] & kIdx) << kIndexBits<Shape> | inv : 0u;
+            const std::uint32_t below = m < thr ? m : 0u;
+            n += below != 0u ? 1 : 0;
+            best = max(best, below);
+          }
+        }
+        more = n > 1;
+        return best;
+      };
+      const int rb = static_cast<int>(__reduce_min_sync(
+          kFullMask, sl < K && (pick_key[0] & ~kIdx) == last_bucket ? static_cast<unsigned>(sl) : 32u));
+      bool more = false;
+      std::uint32_t mine = bucket_best(0xffffffffu, more);
+#pragma unroll 1
+      for (int r = rb; r < K; ++r) {
+        const std::uint32_t pm = __reduce_max_sync(kFullMask, mine);
+        if (sl == r) {
+          pick_key[0] = last_bucket | ((pm >> kIndexBits<Shape>)&kIdx);
+          pick_e[0] = static_cast<int>(kIdx - (pm & kIdx));
+        }
+        if (mine == pm) mine = more ? bucket_best(pm, more) : 0u;
+      }
+      exact = false;
+    }
+  }
+  if (exact) {  // uniform
     std::uint32_t bk[D] = {}, next = 0u;
     int bb[D] = {};
     // Every hidden key is <= hm_bucket | kIdx. A collision's doubt lies in the last
@@ -1949,30 +2017,16 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 #pragma unroll
       for (int j = 0; j < V; ++j) packed_insert<D>(bp, pnext, packed_key<Shape>(key[j], lane_inv, j));
     }
+    const auto skey_stripe = [&](int i, std::uint32_t(&keys)[4]) {
+      const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
+      keys[0] = q.x;
+      keys[1] = q.y;
+      keys[2] = q.z;
+      keys[3] = q.w;
+    };
     select_top_k_packed<Shape>(
         K, sl, lane4, bp, pnext, bucket_exact_keys(p), [&](int e) { return skey[e]; }, pick_key, pick_e,
-        /*keys_needed=*/p.bias == nullptr, refill_from([&](int i, std::uint32_t(&keys)[4]) {
-          const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
-          keys[0] = q.x;
-          keys[1] = q.y;
-          keys[2] = q.z;
-          keys[3] = q.w;
-        }),
-        [&](std::uint32_t(&rb)[D], std::uint32_t& rn, std::uint32_t thr) {
-#pragma unroll
-          for (int d = 0; d < D; ++d) rb[d] = 0u;
-          rn = 0u;
-#pragma unroll
-          for (int i = 0; i < S; ++i) {
-            const uint4 q = *reinterpret_cast<const uint4*>(skey + 4 * W * i + lane4);
-            const std::uint32_t k4[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const std::uint32_t x = packed_key<Shape>(k4[c], lane_inv, 4 * i + c);
-              packed_insert<D>(rb, rn, x < thr ? x : 0u);
-            }
-          }
-        });
+        /*keys_needed=*/p.bias == nullptr, refill_from(skey_stripe), skey_stripe);
   } else {
     std::uint32_t bk[D] = {}, next = 0u;
     int bb[D] = {};

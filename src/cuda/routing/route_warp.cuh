@@ -1297,7 +1297,13 @@ inline constexpr int kPackedRetries = 2;
 template <class Shape>
 inline constexpr bool kPackedRetry = Shape::W == 32 && (Shape::S == 2 || Shape::S == 4);
 // Bucket rounds of a row whose only doubt is a collision in the last pick's bucket (select_top_k_packed):
-// whole-warp rows with their full keys at hand.
+// whole-warp rows with their full keys at hand. Measured on the H200 (same call, fp32, us, against the
+// exact rounds; session 23, bench/results ..._s23_ab_bucket_rounds.md): kimi-k2 T = 128 / 1024 / 4096
+// 3.01 / 4.37 / 7.04 -> 2.52 / 4.03 / 6.80, qwen3-next T = 1024 / 4096 3.82 / 7.24 -> 3.27 / 6.36,
+// deepseek-v3 T = 1024 / 4096 3.53 / 6.30 -> 3.25 / 5.99, e896-softmax-k8 T = 1024 5.32 -> 4.50; but
+// T = 65536 up to 4% slower (qwen3-next 50.9 -> 52.8, e576-grouped-k8), T = 1 up to 3%, and
+// gpt-oss-120b (1 stripe) 4-5% at every T; the kernels gained registers (32-register kernels 8 more
+// bytes of stack). Geometric mean over the 288 points 0.991.
 template <class Shape>
 inline constexpr bool kBucketRounds = Shape::W == 32;
 

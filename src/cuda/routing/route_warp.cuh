@@ -1303,9 +1303,12 @@ inline constexpr bool kPackedRetry = Shape::W == 32 && (Shape::S == 2 || Shape::
 // deepseek-v3 T = 1024 / 4096 3.53 / 6.30 -> 3.25 / 5.99, e896-softmax-k8 T = 1024 5.32 -> 4.50; but
 // T = 65536 up to 4% slower (qwen3-next 50.9 -> 52.8, e576-grouped-k8), T = 1 up to 3%, and
 // gpt-oss-120b (1 stripe) 4-5% at every T; the kernels gained registers (32-register kernels 8 more
-// bytes of stack). Geometric mean over the 288 points 0.991.
+// bytes of stack). Geometric mean over the 288 points 0.991. Not for 1 stripe: without them (same
+// call, ..._s23_ab_bucket_rounds_stripes.md) gpt-oss-120b took 1.37 / 1.63 / 6.89 us at T = 1 / 1024 /
+// 16384 against 1.43 / 1.71 / 7.18; 5-8 stripes keep them (e896-softmax-k8 T = 1024 4.47 against 5.29
+// without, e576-grouped-k8 T = 256 5.00 against 5.56; T = 65536 3-4% slower with them).
 template <class Shape>
-inline constexpr bool kBucketRounds = Shape::W == 32;
+inline constexpr bool kBucketRounds = Shape::W == 32 && Shape::S >= 2;
 
 // Rounds r0 .. K - 1 of packed_rounds on rebuilt buffers (the retry; a runtime loop: it is rare).
 template <int W, int D>

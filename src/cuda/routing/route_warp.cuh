@@ -161,6 +161,9 @@ struct RouteParams {
   // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
   int group_lanes = 0;
   int group_shift = 0;  // log2(G / 4)
+  // 1: the kernel lets the next one in the stream be scheduled (PDL) only as its blocks exit, not
+  // right after its pdl_wait (routing.cu's route_trigger_knob).
+  int trigger_at_exit = 0;
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
@@ -1244,9 +1247,14 @@ template <class Shape>
 inline constexpr std::uint32_t kIndexMask = ~(~0u << kIndexBits<Shape>);
 // The packed key of value j of a lane (its expert value_base(j) + lane4) with selection key `key`;
 // lane_inv = kIndexMask - lane4.
+// packed_index: its low bits, the inverted expert index kIndexMask - expert.
+template <class Shape>
+__device__ __forceinline__ std::uint32_t packed_index(std::uint32_t lane_inv, int j) {
+  return lane_inv - static_cast<std::uint32_t>(value_base<Shape>(j));
+}
 template <class Shape>
 __device__ __forceinline__ std::uint32_t packed_key(std::uint32_t key, std::uint32_t lane_inv, int j) {
-  return (key & ~kIndexMask<Shape>) | (lane_inv - static_cast<std::uint32_t>(value_base<Shape>(j)));
+  return (key & ~kIndexMask<Shape>) | packed_index<Shape>(lane_inv, j);
 }
 // K = 1 takes the plain pass: one round saves less than the packed pass's checks cost (measured on
 // the H200, llama4-maverick E=128 K=1 fp32, T = 65536: 24.7 us packed rounds against 22.1 plain;
@@ -1285,6 +1293,18 @@ __device__ __forceinline__ std::uint32_t packed_rounds(int K, int sl, std::uint3
 struct NoKeyStripes {
   __device__ void operator()(int, std::uint32_t (&)[4]) const {}
 };
+// f(j, key) for each value j = 4 i + c of a lane's S stripes, stripe(i, keys) loading stripe i's four
+// full keys (the packed retry's rebuild and the bucket rounds' scan).
+template <int S, class Stripe, class F>
+__device__ __forceinline__ void for_each_stripe_key(const Stripe& stripe, F&& f) {
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    std::uint32_t k4[4];
+    stripe(i, k4);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) f(4 * i + c, k4[c]);
+  }
+}
 // Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed),
 // for whole-warp rows of 2 or 4 stripes. Measured on the H200 (same call, fp32, us, against the exact
 // rounds alone; session 22, bench/results ..._s22_ab_packed_retry.md): deepseek-v3 T = 256 / 1024 /
@@ -1591,22 +1611,16 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
       const int r0 = static_cast<int>(__reduce_min_sync(
           kFullMask, sl < K && (my_pm & ~kIdx) <= hm_bucket ? static_cast<unsigned>(sl) : 32u));
       if (r0 <= prev_r0) break;  // uniform
-      const std::uint32_t thr = __shfl_sync(kFullMask, my_pm, r0 - 1);
+      const std::uint32_t thr = __shfl_sync(kFullMask, my_pm, r0 - 1, W);
 #pragma unroll
       for (int d = 0; d < D; ++d) bp[d] = 0u;
       pnext = 0u;
-#pragma unroll
-      for (int i = 0; i < S; ++i) {
-        std::uint32_t k4[4];
-        stripe(i, k4);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const std::uint32_t x = packed_key<Shape>(k4[c], lane_inv, 4 * i + c);
-          packed_insert<D>(bp, pnext, x < thr ? x : 0u);
-        }
-      }
+      for_each_stripe_key<S>(stripe, [&](int j, std::uint32_t key) {
+        const std::uint32_t x = packed_key<Shape>(key, lane_inv, j);
+        packed_insert<D>(bp, pnext, x < thr ? x : 0u);
+      });
       my_pm = packed_rounds_from<W, D>(K, r0, sl, bp, my_pm);
-      last_bucket = __shfl_sync(kFullMask, my_pm, K - 1) & ~kIdx;
+      last_bucket = __shfl_sync(kFullMask, my_pm, K - 1, W) & ~kIdx;
       dry = bp[0] <= kIdx;
       hm_bucket = segment_max<W>(dry ? pnext : 0u) & ~kIdx;
       prev_r0 = r0;
@@ -1675,20 +1689,14 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
       const auto bucket_best = [&](std::uint32_t thr, bool& more) {
         std::uint32_t best = 0u;
         int n = 0;
-#pragma unroll
-        for (int i = 0; i < S; ++i) {
-          std::uint32_t k4[4];
-          stripe(i, k4);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const std::uint32_t inv = lane_inv - static_cast<std::uint32_t>(value_base<Shape>(4 * i + c));
-            const std::uint32_t m =
-                (k4[c] & ~kIdx) == last_bucket ? 0x80000000u | (k4[c] & kIdx) << kIndexBits<Shape> | inv : 0u;
-            const std::uint32_t below = m < thr ? m : 0u;
-            n += below != 0u ? 1 : 0;
-            best = max(best, below);
-          }
-        }
+        for_each_stripe_key<S>(stripe, [&](int j, std::uint32_t key) {
+          const std::uint32_t inv = packed_index<Shape>(lane_inv, j);
+          const std::uint32_t m =
+              (key & ~kIdx) == last_bucket ? 0x80000000u | (key & kIdx) << kIndexBits<Shape> | inv : 0u;
+          const std::uint32_t below = m < thr ? m : 0u;
+          n += below != 0u ? 1 : 0;
+          best = max(best, below);
+        });
         more = n > 1;
         return best;
       };

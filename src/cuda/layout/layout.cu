@@ -240,18 +240,6 @@ bool ballots_forced() {
   return v != nullptr && std::string(v) == "ballots";
 }
 
-// SWITCHYARD_LAYOUT_TRIGGER=early|after_wait|exit (environment, read per call): when the one-launch
-// kernels let the next kernel in the stream be scheduled (LayoutParams::trigger; default early). A
-// tuning knob, not needed for correct results.
-int trigger_knob() {
-  const char* v = std::getenv("SWITCHYARD_LAYOUT_TRIGGER");
-  if (v == nullptr) return layout_detail::kTriggerEarly;
-  const std::string s(v);
-  if (s == "after_wait") return layout_detail::kTriggerAfterWait;
-  if (s == "exit") return layout_detail::kTriggerAtExit;
-  return layout_detail::kTriggerEarly;
-}
-
 // LayoutParams::rank_words for a one-launch kernel whose blocks rank `picks` consecutive picks (N,
 // or the cluster chunk): one bitmap word per 32 tokens those picks can span (to whole
 // kRankWordsBatch), or 0 (ballots) at 512 picks or fewer (ITEMS = 1, where bitmaps were no faster)
@@ -502,8 +490,7 @@ ForcedPath forced_path() {
 
 template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
-  LayoutParams p = make_params(a);
-  p.trigger = trigger_knob();
+  const LayoutParams p = make_params(a);
   const auto cluster16_fits = [&] {
     return cluster_fits(p, 16) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
   };

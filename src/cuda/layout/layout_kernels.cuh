@@ -45,8 +45,6 @@ namespace switchyard::cuda::layout_detail {
 // ---------------------------------------------------------------------------------------------
 // Parameters: one struct, passed by value to every layout kernel.
 
-enum LayoutTrigger : int { kTriggerEarly = 0, kTriggerAfterWait = 1, kTriggerAtExit = 2 };
-
 struct LayoutParams {
   // Shape.
   int num_tokens = 0;   // T
@@ -88,10 +86,6 @@ struct LayoutParams {
   // picks (one per 32 tokens, to whole kRankWordsBatch), or 0 to rank by ballots
   // (one_launch_layout_kernel.cuh).
   int rank_words = 0;
-  // When the one-launch kernels let the next kernel in the stream be scheduled (PDL): kTriggerEarly
-  // (before their pdl_wait), kTriggerAfterWait, or kTriggerAtExit (as each block exits; the
-  // multi-launch pipeline's kernels always do that). See layout.cu.
-  int trigger = 0;
   // Chunked path: B chunks of `chunk_picks` picks; hist [B][L] and dropped [B] in workspace. The
   // cluster form uses the first CB rows of both for its blocks' counts.
   int num_chunks = 0;

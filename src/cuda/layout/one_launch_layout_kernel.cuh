@@ -297,11 +297,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     if (kBits) sh.duplicates = 0;
     sh.num_long_runs = 0;
   }
-  // The next kernel may be scheduled now (it waits for all of us), after our wait, or only as our
-  // blocks exit (LayoutParams::trigger).
-  if (p.trigger == kTriggerEarly) pdl_launch_dependents();
+  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
   pdl_wait();
-  if (p.trigger == kTriggerAfterWait) pdl_launch_dependents();
 
   // The picks this block ranks: all of them, or chunk `block` (a multiple of 32 picks long).
   int c0 = 0;

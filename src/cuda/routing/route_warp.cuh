@@ -161,9 +161,6 @@ struct RouteParams {
   // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
   int group_lanes = 0;
   int group_shift = 0;  // log2(G / 4)
-  // 1: the kernel lets the next one in the stream be scheduled (PDL) only as its blocks exit, not
-  // right after its pdl_wait (routing.cu's route_trigger_knob).
-  int trigger_at_exit = 0;
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -131,7 +130,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   // Every later kernel only reads our outputs after its own pdl_wait(), which waits for this
   // whole grid: letting it be scheduled now is safe and hides its launch latency.
-  if (!p0.trigger_at_exit) pdl_launch_dependents();
+  pdl_launch_dependents();
   RouteParams p = p0;
   SpecTraits<SpecT>::apply(p);
   extern __shared__ __align__(16) unsigned char route_smem[];
@@ -428,7 +427,7 @@ bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* stat
 template <int kE, int kK>
 __global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p) {
   pdl_wait();  // before any global access (launch.cuh PDL contract)
-  if (!p.trigger_at_exit) pdl_launch_dependents();
+  pdl_launch_dependents();
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= p.num_tokens) return;  // no barrier follows
   routing::route_row_thread<kE, kK>(p, row);
@@ -462,13 +461,6 @@ Status launch_route_rows_for(const RouteParams& p, cudaStream_t stream) {
   });
 }
 
-// SWITCHYARD_ROUTE_TRIGGER=early|exit (environment, read per call): RouteParams::trigger_at_exit
-// (default early). A tuning knob, not needed for correct results.
-int route_trigger_knob() {
-  const char* v = std::getenv("SWITCHYARD_ROUTE_TRIGGER");
-  return v != nullptr && std::string(v) == "exit" ? 1 : 0;
-}
-
 }  // namespace
 
 Status route(const detail::RouteArgs& args, Stream stream) {
@@ -477,8 +469,7 @@ Status route(const detail::RouteArgs& args, Stream stream) {
     return Status::Unsupported("route: K = " + std::to_string(args.config.top_k) +
                                " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
   }
-  RouteParams p = routing::make_route_params(args);
-  p.trigger_at_exit = route_trigger_knob();
+  const RouteParams p = routing::make_route_params(args);
   routing::RouteChoice choice;  // the testing knobs, read once per call
   choice.form = routing::small_row_form_knob();
   choice.narrow_packed = routing::narrow_packed_knob();

@@ -43,6 +43,21 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Loads one word of every 32 bytes of a kernel's parameters and stores their XOR into *sink (shared
+// memory; volatile, so that the loads happen), for one thread of a block to call before pdl_wait():
+// the constant cache then holds the parameters before the wait returns, instead of each first use
+// of a parameter line after it stalling on a miss. p must be the kernel's __grid_constant__
+// parameter (its address is then the parameter space, not a local copy).
+template <class P>
+__device__ __forceinline__ void warm_params(const P& p, volatile unsigned* sink) {
+  static_assert(sizeof(P) % 4 == 0, "parameters of whole words");
+  const unsigned* w = reinterpret_cast<const unsigned*>(&p);
+  unsigned x = 0;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(P) / 4); i += 8) x ^= w[i];
+  *sink = x;
+}
+
 // Status for a failed CUDA runtime call: "<what>: cudaErrorInvalidValue (invalid argument)".
 inline Status cuda_status(const char* what, cudaError_t err) {
   if (err == cudaSuccess) return Status::Ok();

@@ -1303,16 +1303,23 @@ __device__ __forceinline__ void for_each_stripe_key(const Stripe& stripe, F&& f)
   }
 }
 // Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed),
-// for whole-warp rows of 2 or 4 stripes. Measured on the H200 (same call, fp32, us, against the exact
+// for whole-warp rows of 2 or 4 stripes (3: below). Measured on the H200 (same call, fp32, us, against the exact
 // rounds alone; session 22, bench/results ..._s22_ab_packed_retry.md): deepseek-v3 T = 256 / 1024 /
 // 4096 3.15 / 3.72 / 6.43 -> 2.63 / 3.66 / 6.20, qwen3-next T = 256 / 4096 3.49 / 8.14 -> 2.94 / 7.33,
 // glm-4.5 T = 256 2.96 -> 2.62; T = 1 up to 4% slower, T = 65536 unchanged. In every whole-warp shape
 // (call 6 there), 3 stripes (kimi-k2's 32-register kernel) spilled (8 -> 24 bytes of stack) and were
 // 2-3% slower from T = 1024 on, and 1 stripe (qwen3-235b) 4-8% slower up to T = 1024: not compiled
 // there.
-inline constexpr int kPackedRetries = 2;
+// 3 stripes (kimi-k2) take one attempt, and only on buffers of 2 (from kDeepBufferMaxTokens rows on):
+// measured on the H200 (same call, three runs, kimi-k2, one attempt on every 3-stripe shape; session
+// 24), fp32 T = 256 / 1024 / 4096 / 16384 3.08 / 3.98 / 6.97 / 18.60 -> 2.68 / 3.73 / 6.51 / 18.19 us
+// (bf16 T = 256 3.23 -> 2.87), T = 65536 -2%, but T = 1 3% slower (2.08 -> 2.14), where the rows
+// have buffers of 3; the kernels of 32 registers spill 24 bytes instead of 16.
 template <class Shape>
-inline constexpr bool kPackedRetry = Shape::W == 32 && (Shape::S == 2 || Shape::S == 4);
+inline constexpr bool kPackedRetry =
+    Shape::W == 32 && (Shape::S == 2 || Shape::S == 4 || (Shape::S == 3 && Shape::D == 2));
+template <class Shape>
+inline constexpr int kPackedRetries = Shape::S == 3 ? 1 : 2;
 // Bucket rounds of a row whose only doubt is a collision in the last pick's bucket (select_top_k_packed):
 // whole-warp rows with their full keys at hand. Measured on the H200 (same call, fp32, us, against the
 // exact rounds; session 23, bench/results ..._s23_ab_bucket_rounds.md): kimi-k2 T = 128 / 1024 / 4096
@@ -1603,7 +1610,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
     // kPackedRetries) take the exact rounds below.
     int prev_r0 = 0;
 #pragma unroll 1
-    for (int attempt = 0; attempt < kPackedRetries; ++attempt) {
+    for (int attempt = 0; attempt < kPackedRetries<Shape>; ++attempt) {
       if (hm_bucket < last_bucket) break;  // uniform
       const int r0 = static_cast<int>(__reduce_min_sync(
           kFullMask, sl < K && (my_pm & ~kIdx) <= hm_bucket ? static_cast<unsigned>(sl) : 32u));

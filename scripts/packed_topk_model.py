@@ -8,7 +8,7 @@ counts up to 2048 with route_warp_wide's buffer depths. It fuzzes rows (near tie
 lane-heavy rows, group-limited rows, bf16 values, non-finite values) and asserts that whenever
 the check accepts the fast pass (sorted or not), its picks are the true top-K in (key desc,
 expert asc) order. It also reports how often the exact rounds run and how often the sort does.
-Since session 22 it models the packed retry of dry-lane doubts (route_warp, 2 or 4 stripes) and
+Since session 22 it models the packed retry of dry-lane doubts (route_warp, 2-4 stripes) and
 asserts that the picks the exact rounds keep are the true first picks; since session 23 the bucket
 rounds of rows whose only doubt is a collision in the last pick's bucket (route_warp's whole-warp
 rows), whose picks it asserts are the true top-K.
@@ -41,9 +41,11 @@ def bf16(x):
     return struct.unpack("<f", struct.pack("<I", fbits(x) & 0xFFFF0000))[0]
 
 
-def route(keys, E, K, D=None, bucket_exact=False, retries=2, bucket_rounds=True):
+def route(keys, E, K, D=None, bucket_exact=False, retries=None, bucket_rounds=True):
     """Returns 'fast' (check passed; picks verified) or 'exact' (exact rounds would run)."""
     S = (E + 127) // 128
+    if retries is None:  # route_warp.cuh's kPackedRetries: one attempt for 3 stripes
+        retries = 1 if S == 3 else 2
     kmax = 128 * S
     if D is None:  # route_warp's depth 2 up to E = 512, route_warp_wide's 3 / 4 past it
         D = 2 if S <= 4 else 3 if S <= 8 else 4

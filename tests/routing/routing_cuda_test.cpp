@@ -691,21 +691,25 @@ TEST(RoutingCuda, NearTies) {
 // Rounds of the top-K fast pass in which every lane's buffer is dry (see Kind::kDryBuffers), for
 // expert counts whose last expert has an all-ones index in the packed rounds (128, 256, 512) and
 // others.
+// T = 37 and 300: both candidate buffer depths (3 and 2 past kDeepBufferMaxTokens rows), so that the
+// packed retry of every whole-warp shape that has one (2-4 stripes) sees dry lanes.
 TEST(RoutingCuda, DryBuffers) {
   SY_SKIP_WITHOUT_GPU();
   int i = 0;
-  for (int E : {128, 256, 160, 384, 512}) {
-    for (int K : {2, 8, 10}) {
-      for (int pre : {0, 1}) {
-        Case c;
-        c.config = make_config(E, K, static_cast<PreFn>(pre), PostFn::kSoftmax);
-        c.config.group_rule = (i % 2) ? GroupRule::kMax : GroupRule::kTopKSum;
-        c.config.n_group = E;
-        c.config.topk_group = K;
-        c.T = 37;
-        c.kind = Kind::kDryBuffers;
-        c.logits_dtype = kLogitDtypes[i % 3];
-        if (!check_varied(c, i)) return;
+  for (int T : {37, 300}) {
+    for (int E : {128, 256, 160, 384, 512}) {
+      for (int K : {2, 8, 10}) {
+        for (int pre : {0, 1}) {
+          Case c;
+          c.config = make_config(E, K, static_cast<PreFn>(pre), PostFn::kSoftmax);
+          c.config.group_rule = (i % 2) ? GroupRule::kMax : GroupRule::kTopKSum;
+          c.config.n_group = E;
+          c.config.topk_group = K;
+          c.T = T;
+          c.kind = Kind::kDryBuffers;
+          c.logits_dtype = kLogitDtypes[i % 3];
+          if (!check_varied(c, i)) return;
+        }
       }
     }
   }

@@ -1,7 +1,8 @@
 // Launch helpers shared by the CUDA backend's operations.
 //
 //   * pdl_wait() / pdl_launch_dependents(): the two device-side controls of programmatic
-//     dependent launch (PDL, sm_90+).
+//     dependent launch (PDL, sm_90+); warm_params(): a kernel's parameters into the constant cache
+//     before pdl_wait().
 //   * launch_kernel(): cudaLaunchKernelEx with PDL allowed, returning a Status that names the
 //     kernel and carries cudaGetErrorString on failure; launch_kernel_with() adds a
 //     thread-block cluster dimension or a cooperative launch (launch_attributes() builds the

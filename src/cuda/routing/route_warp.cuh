@@ -161,6 +161,7 @@ struct RouteParams {
   // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
   int group_lanes = 0;
   int group_shift = 0;  // log2(G / 4)
+  int warm = 1;  // EXPERIMENT knob
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in

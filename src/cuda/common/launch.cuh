@@ -48,7 +48,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // memory; volatile, so that the loads happen), for one thread of a block to call before pdl_wait():
 // the constant cache then holds the parameters before the wait returns, instead of each first use
 // of a parameter line after it stalling on a miss. p must be the kernel's __grid_constant__
-// parameter (its address is then the parameter space, not a local copy).
+// parameter (its address is then the parameter space, not a local copy). The one-launch layout
+// kernels use it (their OneShared holds the sink). Not the routing kernels yet: there it made
+// T <= 256 3.5-4% faster, but their 16-byte static sink took the blocks from 1024 to 1040 bytes of
+// shared memory and the large-T kernels 1-12% slower (llama4-maverick T = 65536 22.4 -> 25.2 us),
+// most likely fewer blocks per SM under the driver's shared-memory carveout (session 24,
+// bench/results ..._s24_warm_route_ab.md); a sink inside the dynamic shared memory a kernel already
+// has would avoid that.
 template <class P>
 __device__ __forceinline__ void warm_params(const P& p, volatile unsigned* sink) {
   static_assert(sizeof(P) % 4 == 0, "parameters of whole words");

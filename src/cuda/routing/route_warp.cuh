@@ -161,7 +161,6 @@ struct RouteParams {
   // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
   int group_lanes = 0;
   int group_shift = 0;  // log2(G / 4)
-  int warm = 1;  // EXPERIMENT knob
 };
 
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
@@ -1313,9 +1312,11 @@ __device__ __forceinline__ void for_each_stripe_key(const Stripe& stripe, F&& f)
 // there.
 // 3 stripes (kimi-k2) take one attempt, and only on buffers of 2 (from kDeepBufferMaxTokens rows on):
 // measured on the H200 (same call, three runs, kimi-k2, one attempt on every 3-stripe shape; session
-// 24), fp32 T = 256 / 1024 / 4096 / 16384 3.08 / 3.98 / 6.97 / 18.60 -> 2.68 / 3.73 / 6.51 / 18.19 us
-// (bf16 T = 256 3.23 -> 2.87), T = 65536 -2%, but T = 1 3% slower (2.08 -> 2.14), where the rows
-// have buffers of 3; the kernels of 32 registers spill 24 bytes instead of 16.
+// 24, bench/results ..._s24_retry3_ab.md), fp32 T = 256 / 1024 / 4096 3.08 / 3.98 / 6.97 -> 2.68 / 3.73 /
+// 6.51 us (bf16 T = 256 3.23 -> 2.87), T = 16384 / 65536 18.19 / 57.85 (main in other calls: 18.25 /
+// 57.81), but T = 1 3% slower (2.08 -> 2.14), where the rows have buffers of 3 (so not there). One
+// attempt: with two, the 32-register kernel spilled (session 22); with one, one kernel of buffers of
+// 2 keeps 8 bytes of stack where it had none.
 template <class Shape>
 inline constexpr bool kPackedRetry =
     Shape::W == 32 && (Shape::S == 2 || Shape::S == 4 || (Shape::S == 3 && Shape::D == 2));

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -21,10 +20,8 @@ namespace {
 
 using routing::RouteParams;
 
-constexpr int kWarpsPerBlock = 8;  // 256 threads: many rows in flight per SM
-// Dynamic shared memory per block: 48 KB (static + dynamic without an opt-in attribute) less what
-// the kernels declare statically (param_sink).
-constexpr std::size_t kMaxSmemPerBlock = 48 * 1024 - 16;
+constexpr int kWarpsPerBlock = 8;                    // 256 threads: many rows in flight per SM
+constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute needed
 
 // Specialised kernels. route_warp branches on the parameters at run time (warp-uniform
 // branches, but they cost issue slots on the hot path and registers: ~100 instructions per row
@@ -116,17 +113,6 @@ constexpr bool kSpecialised = !std::is_same_v<SpecT, SpecGeneric>;
 // Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
 // T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
 // kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
-// The parameters into the constant cache while the previous kernel runs, for one thread of a block
-// before pdl_wait(): one field of each 32 bytes of RouteParams, XORed into *sink (shared memory,
-// volatile: the loads must happen), so that the first uses of each parameter line after the wait
-// do not stall on a miss. Fields by name, not launch.cuh's warm_params: the routing kernels keep
-// their parameters by value (__grid_constant__ made the large-T kernels up to 11% slower, session 24).
-__device__ __forceinline__ void warm_route_params(const RouteParams& p, volatile unsigned* sink) {
-  static_assert(sizeof(RouteParams) <= 136, "one field of each 32 bytes below (EXPERIMENT: 128 + the knob, read by the caller)");
-  *sink = static_cast<unsigned>(p.num_tokens) ^ static_cast<unsigned>(p.bias_dtype) ^
-          static_cast<unsigned>(p.num_experts) ^ static_cast<unsigned>(p.group_shift);
-}
-
 template <class Shape, class SpecT, bool kWide>
 constexpr int route_min_blocks() {
   if (kWide) return Shape::kWideMinBlocks;
@@ -141,8 +127,6 @@ constexpr int route_min_blocks() {
 template <class Shape, class SpecT, bool kWide, bool kPackedTopK>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT, kWide>())
     route_kernel(const RouteParams p0) {
-  __shared__ volatile unsigned param_sink;
-  if (p0.warm && threadIdx.x == 0) warm_route_params(p0, &param_sink);  // EXPERIMENT knob
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   // Every later kernel only reads our outputs after its own pdl_wait(), which waits for this
   // whole grid: letting it be scheduled now is safe and hides its launch latency.
@@ -442,8 +426,6 @@ bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* stat
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.
 template <int kE, int kK>
 __global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p) {
-  __shared__ volatile unsigned param_sink;  // as in route_kernel
-  if (p.warm && threadIdx.x == 0) warm_route_params(p, &param_sink);
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   pdl_launch_dependents();
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -487,11 +469,7 @@ Status route(const detail::RouteArgs& args, Stream stream) {
     return Status::Unsupported("route: K = " + std::to_string(args.config.top_k) +
                                " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
   }
-  RouteParams p = routing::make_route_params(args);
-  {
-    const char* v = std::getenv("SWITCHYARD_WARM_PARAMS");  // EXPERIMENT knob
-    p.warm = v == nullptr || v[0] != '0';
-  }
+  const RouteParams p = routing::make_route_params(args);
   routing::RouteChoice choice;  // the testing knobs, read once per call
   choice.form = routing::small_row_form_knob();
   choice.narrow_packed = routing::narrow_packed_knob();

@@ -645,7 +645,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
 }
 
 template <int ITEMS, int KB, typename Id, bool kBitmaps>
-__global__ void __launch_bounds__(kOneThreads, 1) one_block_layout_kernel(__grid_constant__ const LayoutParams p) {
+__global__ void __launch_bounds__(kOneThreads, 1)
+    one_block_layout_kernel(__grid_constant__ const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
   one_launch_layout<ITEMS, 0, KB, Id, kBitmaps>(p, sh, one_dyn);
@@ -654,7 +655,8 @@ __global__ void __launch_bounds__(kOneThreads, 1) one_block_layout_kernel(__grid
 // Launched as one cluster of CB blocks (the cluster dimension is a launch attribute, see layout.cu),
 // or past kMaxClusterBlocks as a cooperative grid of CB blocks.
 template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps>
-__global__ void __launch_bounds__(kOneThreads, 1) cluster_layout_kernel(__grid_constant__ const LayoutParams p) {
+__global__ void __launch_bounds__(kOneThreads, 1)
+    cluster_layout_kernel(__grid_constant__ const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
   one_launch_layout<ITEMS, CB, KB, Id, kBitmaps>(p, sh, one_dyn);

@@ -1303,8 +1303,8 @@ __device__ __forceinline__ void for_each_stripe_key(const Stripe& stripe, F&& f)
   }
 }
 // Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed),
-// for whole-warp rows of 2 or 4 stripes (3: below). Measured on the H200 (same call, fp32, us, against the exact
-// rounds alone; session 22, bench/results ..._s22_ab_packed_retry.md): deepseek-v3 T = 256 / 1024 /
+// for whole-warp rows of 2 or 4 stripes (3: below). Measured on the H200 (same call, fp32, us, against the
+// exact rounds alone; session 22, bench/results ..._s22_ab_packed_retry.md): deepseek-v3 T = 256 / 1024 /
 // 4096 3.15 / 3.72 / 6.43 -> 2.63 / 3.66 / 6.20, qwen3-next T = 256 / 4096 3.49 / 8.14 -> 2.94 / 7.33,
 // glm-4.5 T = 256 2.96 -> 2.62; T = 1 up to 4% slower, T = 65536 unchanged. In every whole-warp shape
 // (call 6 there), 3 stripes (kimi-k2's 32-register kernel) spilled (8 -> 24 bytes of stack) and were
@@ -1318,8 +1318,8 @@ __device__ __forceinline__ void for_each_stripe_key(const Stripe& stripe, F&& f)
 // attempt: with two, the 32-register kernel spilled (session 22); with one, one kernel of buffers of
 // 2 keeps 8 bytes of stack where it had none.
 template <class Shape>
-inline constexpr bool kPackedRetry =
-    Shape::W == 32 && (Shape::S == 2 || Shape::S == 4 || (Shape::S == 3 && Shape::D == 2));
+inline constexpr bool kPackedRetry = Shape::W == 32 &&
+                                     (Shape::S == 2 || Shape::S == 4 || (Shape::S == 3 && Shape::D == 2));
 template <class Shape>
 inline constexpr int kPackedRetries = Shape::S == 3 ? 1 : 2;
 // Bucket rounds of a row whose only doubt is a collision in the last pick's bucket (select_top_k_packed):

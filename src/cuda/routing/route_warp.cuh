@@ -1242,13 +1242,13 @@ inline constexpr int kIndexBits = Shape::kMaxExperts <= 128    ? 7
                                                                : 11;
 template <class Shape>
 inline constexpr std::uint32_t kIndexMask = ~(~0u << kIndexBits<Shape>);
-// The packed key of value j of a lane (its expert value_base(j) + lane4) with selection key `key`;
-// lane_inv = kIndexMask - lane4.
-// packed_index: its low bits, the inverted expert index kIndexMask - expert.
+// The low bits of a packed key of value j of a lane (its expert value_base(j) + lane4): the inverted
+// expert index kIndexMask - expert, from lane_inv = kIndexMask - lane4.
 template <class Shape>
 __device__ __forceinline__ std::uint32_t packed_index(std::uint32_t lane_inv, int j) {
   return lane_inv - static_cast<std::uint32_t>(value_base<Shape>(j));
 }
+// The packed key of value j of a lane with selection key `key`.
 template <class Shape>
 __device__ __forceinline__ std::uint32_t packed_key(std::uint32_t key, std::uint32_t lane_inv, int j) {
   return (key & ~kIndexMask<Shape>) | packed_index<Shape>(lane_inv, j);
@@ -1600,10 +1600,16 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   // K <= W (the launcher's narrow_packed_fits for narrow segments; always true with W = 32): pick k
   // lives in lane k of the segment, slot 0.
   std::uint32_t my_pm = packed_rounds<W, D>(K, sl, bp);  // packed key of pick sl
-  // The last pick's bucket and the largest bucket a dry lane hides (its keys are <= hm_bucket | kIdx).
-  std::uint32_t last_bucket = __shfl_sync(kFullMask, my_pm, K - 1, W) & ~kIdx;
-  bool dry = bp[0] <= kIdx;
-  std::uint32_t hm_bucket = segment_max<W>(dry ? pnext : 0u) & ~kIdx;
+  // The last pick's bucket and the largest bucket a dry lane hides (its keys are <= hm_bucket | kIdx),
+  // after the packed rounds and after each retry.
+  std::uint32_t last_bucket, hm_bucket;
+  bool dry;
+  const auto read_buckets = [&] {
+    last_bucket = __shfl_sync(kFullMask, my_pm, K - 1, W) & ~kIdx;
+    dry = bp[0] <= kIdx;
+    hm_bucket = segment_max<W>(dry ? pnext : 0u) & ~kIdx;
+  };
+  read_buckets();
   if constexpr (kPackedRetry<Shape> && kStripes) {
     // Packed retry (scripts/packed_topk_model.py models it): while a dry lane hides a bucket at or
     // above the last pick's, the picks above every hidden bucket (the first r0) are all the candidates
@@ -1626,9 +1632,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
         packed_insert<D>(bp, pnext, x < thr ? x : 0u);
       });
       my_pm = packed_rounds_from<W, D>(K, r0, sl, bp, my_pm);
-      last_bucket = __shfl_sync(kFullMask, my_pm, K - 1, W) & ~kIdx;
-      dry = bp[0] <= kIdx;
-      hm_bucket = segment_max<W>(dry ? pnext : 0u) & ~kIdx;
+      read_buckets();
       prev_r0 = r0;
     }
   }

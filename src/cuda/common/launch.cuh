@@ -1,8 +1,8 @@
 // Launch helpers shared by the CUDA backend's operations.
 //
 //   * pdl_wait() / pdl_launch_dependents(): the two device-side controls of programmatic
-//     dependent launch (PDL, sm_90+); warm_params(): a kernel's parameters into the constant cache
-//     before pdl_wait().
+//     dependent launch (PDL, sm_90+); warm_params() / keep_loaded(): a kernel's parameters into the
+//     constant cache before pdl_wait().
 //   * launch_kernel(): cudaLaunchKernelEx with PDL allowed, returning a Status that names the
 //     kernel and carries cudaGetErrorString on failure; launch_kernel_with() adds a
 //     thread-block cluster dimension or a cooperative launch (launch_attributes() builds the
@@ -44,25 +44,37 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Loads one word of every 32 bytes of a kernel's parameters and stores their XOR into *sink (shared
-// memory; volatile, so that the loads happen), for one thread of a block to call before pdl_wait():
-// the constant cache then holds the parameters before the wait returns, instead of each first use
-// of a parameter line after it stalling on a miss. p must be the kernel's __grid_constant__
-// parameter (its address is then the parameter space, not a local copy). The one-launch layout
-// kernels use it (their OneShared holds the sink). Not the routing kernels yet: there it made
-// T <= 256 3.5-4% faster, but their 16-byte static sink took the blocks from 1024 to 1040 bytes of
-// shared memory and the large-T kernels 1-12% slower (llama4-maverick T = 65536 22.4 -> 25.2 us),
-// most likely fewer blocks per SM under the driver's shared-memory carveout (session 24,
-// bench/results ..._s24_warm_route_ab.md); a sink inside the dynamic shared memory a kernel already
-// has would avoid that.
+// Parameters into the constant cache while the previous kernel runs, for one thread of a block to
+// call before pdl_wait(), so that the first use of each parameter line after the wait does not
+// stall on a miss. One word of every 16 bytes is loaded (the parameters start 16 bytes into a
+// 32-byte line on sm_90, c[0x0][0x210], so every line is touched whatever its size), and the XOR of
+// the words must be used, or the loads go:
+//   * warm_params(p, &sink): p is the kernel's __grid_constant__ parameter (its address is then the
+//     parameter space, not a local copy); the XOR is stored into *sink, a shared-memory variable
+//     the kernel has anyway (the one-launch layout kernels' OneShared).
+//   * keep_loaded(x, never): x (the routing kernels read their fields by name, route_params_xor)
+//     is the operand of a shared-memory store inside the asm, predicated on `never`, a run-time
+//     false the compiler cannot prove (route_kernel: num_tokens < 0; it is launched only for
+//     num_tokens > 0). Nothing is written and no shared memory is declared for it. (Session 24
+//     suspected its 16-byte static sink of the routing kernels' slowdown at large T, wrongly: the
+//     slowdown stayed without it and went when only the first blocks warm; routing.cu, kWarmBlocks.)
 template <class P>
 __device__ __forceinline__ void warm_params(const P& p, volatile unsigned* sink) {
   static_assert(sizeof(P) % 4 == 0, "parameters of whole words");
   const unsigned* w = reinterpret_cast<const unsigned*>(&p);
   unsigned x = 0;
 #pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(P) / 4); i += 8) x ^= w[i];
+  for (int i = 0; i < static_cast<int>(sizeof(P) / 4); i += 4) x ^= w[i];
   *sink = x;
+}
+__device__ __forceinline__ void keep_loaded(unsigned x, bool never) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "{\n\t.reg .pred q;\n\t.reg .u32 a;\n\tsetp.ne.u32 q, %1, 0;\n\tmov.u32 a, 0;\n\t"
+      "@q st.volatile.shared.u32 [a], %0;\n\t}" ::"r"(x),
+      "r"(static_cast<unsigned>(never))
+      : "memory");
+#endif
 }
 
 // Status for a failed CUDA runtime call: "<what>: cudaErrorInvalidValue (invalid argument)".

@@ -24,6 +24,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -44,28 +45,37 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Parameters into the constant cache while the previous kernel runs, for one thread of a block to
-// call before pdl_wait(), so that the first use of each parameter line after the wait does not
-// stall on a miss. One word of every 16 bytes is loaded (the parameters start 16 bytes into a
-// 32-byte line on sm_90, c[0x0][0x210], so every line is touched whatever its size), and the XOR of
-// the words must be used, or the loads go:
-//   * warm_params(p, &sink): p is the kernel's __grid_constant__ parameter (its address is then the
-//     parameter space, not a local copy); the XOR is stored into *sink, a shared-memory variable
-//     the kernel has anyway (the one-launch layout kernels' OneShared).
-//   * keep_loaded(x, never): x (the routing kernels read their fields by name, route_params_xor)
-//     is the operand of a shared-memory store inside the asm, predicated on `never`, a run-time
-//     false the compiler cannot prove (route_kernel: num_tokens < 0; it is launched only for
-//     num_tokens > 0). Nothing is written and no shared memory is declared for it. (Session 24
-//     suspected its 16-byte static sink of the routing kernels' slowdown at large T, wrongly: the
-//     slowdown stayed without it and went when only the first blocks warm; routing.cu, kWarmBlocks.)
+// Parameters into the constant cache while the previous kernel runs, before pdl_wait(), so that
+// the first use of each parameter line after the wait does not stall on a miss. One word of every
+// 16 bytes is loaded (the parameters start 16 bytes into a 32-byte line on sm_90, c[0x0][0x210],
+// so every line is touched whatever its size), and the XOR of the words must be used, or the loads
+// go:
+//   * warm_params(p, &sink), for one thread of each block: stored into *sink, a shared-memory
+//     variable the kernel has anyway (the one-launch layout kernels' OneShared);
+//   * warm_params(p, never), called by every thread: thread 0 of the first kWarmBlocks blocks
+//     passes it to keep_loaded, a shared-memory store inside the asm predicated on `never`, a
+//     run-time false the compiler cannot prove (num_tokens < 0: token counts are never negative).
+//     Nothing is written and no shared memory is declared for it.
+// p is the kernel's parameter, by value or __grid_constant__: it is read by memcpy, which makes no
+// local copy (constant-bank loads in the SASS). kWarmBlocks = 132 blocks, about one per SM of an
+// H200 (the cache is per SM; blocks placed later find it warm): measured on the routing kernels
+// (routing.cu), where warming in every block made T >= 16384 up to 12% slower and 132 blocks
+// 0.6-0.9% (session 25). Session 24 blamed a 16-byte static sink for that slowdown, wrongly.
+inline constexpr unsigned kWarmBlocks = 132;
+
 template <class P>
-__device__ __forceinline__ void warm_params(const P& p, volatile unsigned* sink) {
-  static_assert(sizeof(P) % 4 == 0, "parameters of whole words");
-  const unsigned* w = reinterpret_cast<const unsigned*>(&p);
+__device__ __forceinline__ unsigned param_words_xor(const P& p) {
+  static_assert(sizeof(P) % 4 == 0 && std::is_trivially_copyable_v<P>, "parameters of whole words");
+  unsigned w[sizeof(P) / 4];
+  memcpy(w, &p, sizeof(w));
   unsigned x = 0;
 #pragma unroll
   for (int i = 0; i < static_cast<int>(sizeof(P) / 4); i += 4) x ^= w[i];
-  *sink = x;
+  return x;
+}
+template <class P>
+__device__ __forceinline__ void warm_params(const P& p, volatile unsigned* sink) {
+  *sink = param_words_xor(p);
 }
 __device__ __forceinline__ void keep_loaded(unsigned x, bool never) {
 #if defined(__CUDA_ARCH__)
@@ -75,6 +85,10 @@ __device__ __forceinline__ void keep_loaded(unsigned x, bool never) {
       "r"(static_cast<unsigned>(never))
       : "memory");
 #endif
+}
+template <class P>
+__device__ __forceinline__ void warm_params(const P& p, bool never) {
+  if (threadIdx.x == 0 && blockIdx.x < kWarmBlocks) keep_loaded(param_words_xor(p), never);
 }
 
 // Status for a failed CUDA runtime call: "<what>: cudaErrorInvalidValue (invalid argument)".

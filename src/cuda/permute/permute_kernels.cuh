@@ -227,6 +227,7 @@ __global__ void __launch_bounds__(kBlockThreads) gather_rows_kernel(const Gather
   const std::int64_t warps = num_warps();
   const std::int64_t chunks = p.chunks_per_row;
   std::int64_t item = global_warp() + lane * warps;  // this lane's item in the current batch
+  warm_params(p, /*never=*/p.num_tokens < 0);        // launch.cuh (num_tokens >= 0)
   pdl_wait();                                        // the layout and x come from earlier kernels
   pdl_launch_dependents();
   const std::int64_t rows = clamp_rows(__ldg(p.totals), p.capacity_rows);
@@ -436,6 +437,7 @@ __device__ __forceinline__ void gather_fill_item(const TokenGatherParams& tp, st
 template <int kVecBytes>
 __global__ void __launch_bounds__(kTokenBlockThreads, kTokenMinBlocksPerSm)
     gather_tokens_kernel(const TokenGatherParams tp) {
+  warm_params(tp, /*never=*/tp.g.num_tokens < 0);  // launch.cuh (num_tokens >= 0)
   const int lane = threadIdx.x % kWarpSize;
   const int warp_in_block = threadIdx.x / kWarpSize;
   const std::int64_t block = blockIdx.x;
@@ -560,6 +562,7 @@ __global__ void __launch_bounds__(kBlockThreads, kCombineMinBlocksPerSm)
   const int lane = threadIdx.x % kWarpSize;
   Out* out = static_cast<Out*>(p.out);
   const std::int64_t H = p.row_vecs * kV;
+  warm_params(p, /*never=*/p.num_tokens < 0);  // launch.cuh (num_tokens >= 0)
   pdl_wait();
   pdl_launch_dependents();
   for (ItemWalker it(global_warp(), num_warps(), p.chunks_per_row); it.row < p.num_tokens; it.advance()) {

@@ -163,6 +163,22 @@ struct RouteParams {
   int group_shift = 0;  // log2(G / 4)
 };
 
+// One word of each 16 bytes of RouteParams, XORed, for the routing kernels' keep_loaded (launch.cuh)
+// before pdl_wait(). By name: the kernels take RouteParams by value, and reading it through its
+// address would make a local copy.
+static_assert(offsetof(RouteParams, row_stride) / 16 == 0 && offsetof(RouteParams, num_tokens) / 16 == 1 &&
+                  offsetof(RouteParams, bias_dtype) / 16 == 2 && offsetof(RouteParams, ids_int64) / 16 == 3 &&
+                  offsetof(RouteParams, weights_bf16) / 16 == 4 && offsetof(RouteParams, top_k) / 16 == 5 &&
+                  offsetof(RouteParams, n_group) / 16 == 6 && offsetof(RouteParams, group_take) / 16 == 7 &&
+                  sizeof(RouteParams) == 128,
+              "route_params_xor reads one field of each 16 bytes");
+__device__ __forceinline__ unsigned route_params_xor(const RouteParams& p) {
+  return static_cast<unsigned>(p.row_stride) ^ static_cast<unsigned>(p.num_tokens) ^
+         static_cast<unsigned>(p.bias_dtype) ^ static_cast<unsigned>(p.ids_int64) ^
+         static_cast<unsigned>(p.weights_bf16) ^ static_cast<unsigned>(p.top_k) ^
+         static_cast<unsigned>(p.n_group) ^ static_cast<unsigned>(p.group_take);
+}
+
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
 // that range (the error term x * eps / 2^32 < 2^-16 < 1 / d). magic 0 means d == 1.
 inline unsigned div_magic(unsigned d) {

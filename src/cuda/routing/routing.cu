@@ -20,11 +20,13 @@ namespace {
 
 using routing::RouteParams;
 
-// The routing kernels' parameters go into the constant cache before pdl_wait() (launch.cuh's
-// warm_params, thread 0 of the first kWarmBlocks blocks). Measured on the H200 against the same
-// kernels without it (same call, 9 configurations, fp32 and bf16, three runs; session 25,
-// bench/results ..._s25_warm_route_ab.md): 4.3% faster at T = 1-128 (kimi-k2 fp32 T = 1 2.14 ->
-// 2.00 us), 2.3% at 256, 1.6% at 1024, 0.4% at 4096; 0.6-0.9% slower at 16384-65536
+// The routing kernels' parameters into the constant cache before pdl_wait(), by thread 0 of the
+// first kWarmBlocks blocks (launch.cuh), their fields by name (route_params_xor) rather than through
+// warm_params' memcpy: with the memcpy, 94 of the 317 route kernels' bodies were scheduled
+// differently and 13 had other register counts (not measured; these are the tested ones). Measured
+// on the H200 against the same kernels without it (same call, 9 configurations, fp32 and bf16, three
+// runs; session 25, bench/results ..._s25_warm_route_ab.md): 4.3% faster at T = 1-128 (kimi-k2 fp32
+// T = 1 2.14 -> 2.00 us), 2.3% at 256, 1.6% at 1024, 0.4% at 4096; 0.6-0.9% slower at 16384-65536
 // (llama4-maverick T = 65536 22.3 -> 22.9, the lightest rows; my guess: every block now reads its
 // index before the wait, a serial S2R). Done in every block (session 24, and session 25 without a
 // shared sink) it cost 1-12% at T >= 16384.
@@ -135,7 +137,8 @@ constexpr int route_min_blocks() {
 template <class Shape, class SpecT, bool kWide, bool kPackedTopK>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT, kWide>())
     route_kernel(const RouteParams p0) {
-  warm_params(p0, /*never=*/p0.num_tokens < 0);
+  if (threadIdx.x == 0 && blockIdx.x < kWarmBlocks)
+    keep_loaded(routing::route_params_xor(p0), p0.num_tokens < 0);
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   // Every later kernel only reads our outputs after its own pdl_wait(), which waits for this
   // whole grid: letting it be scheduled now is safe and hides its launch latency.
@@ -435,7 +438,8 @@ bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* stat
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.
 template <int kE, int kK>
 __global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p) {
-  warm_params(p, /*never=*/p.num_tokens < 0);
+  if (threadIdx.x == 0 && blockIdx.x < kWarmBlocks)
+    keep_loaded(routing::route_params_xor(p), p.num_tokens < 0);
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   pdl_launch_dependents();
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

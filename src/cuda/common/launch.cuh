@@ -55,7 +55,8 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 //   * warm_params(p, never), called by every thread: thread 0 of the first kWarmBlocks blocks
 //     passes it to keep_loaded, a shared-memory store inside the asm predicated on `never`, a
 //     run-time false the compiler cannot prove (num_tokens < 0: token counts are never negative).
-//     Nothing is written and no shared memory is declared for it.
+//     Nothing is written and no shared memory is declared for it. The combine kernel uses it; the
+//     routing kernels pass keep_loaded their fields by name (routing.cu, route_params_xor).
 // p is the kernel's parameter, by value or __grid_constant__: it is read by memcpy, which makes no
 // local copy (constant-bank loads in the SASS). kWarmBlocks = 132 blocks, about one per SM of an
 // H200 (the cache is per SM; blocks placed later find it warm): measured on the routing kernels

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Registers, stack and shared memory of every CUDA kernel, against a committed list.
+
+Small code changes moved the routing kernels' register counts and scheduling without anyone
+asking (sessions 24-25: 13-105 kernels at a time), and some of those builds were up to 12% slower
+at large T. This check makes such a change visible in review: the build's per-kernel resources
+(cuobjdump -res-usage of the CUDA objects) must equal tests/kernel_resources.txt.
+
+  python3 scripts/kernel_resources.py dump  BUILD_DIR > tests/kernel_resources.txt   # after a
+                                                          # deliberate kernel change
+  python3 scripts/kernel_resources.py check BUILD_DIR tests/kernel_resources.txt      # CI
+
+cuobjdump comes with the CUDA toolkit; where it is missing (this repository's dev machine), the
+PyPI wheel nvidia-cuda-cuobjdump provides it (pass --cuobjdump PATH, or put it on PATH). Exit
+status of `check`: 0 equal, 1 different (the kernels are listed), 2 tool or objects missing.
+"""
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+OBJECTS = "src/CMakeFiles/switchyard.dir/cuda/*/*.cu.o"
+FIELDS = ("REG", "STACK", "SHARED", "LOCAL")
+
+
+def find_cuobjdump(explicit):
+    if explicit:
+        return explicit
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for cand in ("/usr/local/cuda/bin/cuobjdump",):
+        if os.path.exists(cand):
+            return cand
+    try:  # the PyPI wheel (nvidia-cuda-cuobjdump) installs under site-packages/nvidia/cu*/bin
+        import nvidia  # type: ignore
+
+        for base in nvidia.__path__:
+            hits = glob.glob(os.path.join(base, "cu*", "bin", "cuobjdump"))
+            if hits:
+                return hits[0]
+    except ImportError:
+        pass
+    return None
+
+
+def resources(cuobjdump, build_dir):
+    objs = sorted(glob.glob(os.path.join(build_dir, OBJECTS)))
+    if not objs:
+        raise FileNotFoundError(f"no CUDA objects under {build_dir} ({OBJECTS})")
+    rows = {}
+    for obj in objs:
+        text = subprocess.run([cuobjdump, "-res-usage", obj], check=True, capture_output=True, text=True).stdout
+        name = None
+        for line in text.splitlines():
+            m = re.match(r"\s*Function (\S+):", line)
+            if m:
+                # Anonymous-namespace names carry a hash of the source path: drop it.
+                name = re.sub(r"_GLOBAL__N__[0-9a-f]+_\d+_(\w+?)_[0-9a-f]{8}", r"_GLOBAL__N__\1", m.group(1))
+                continue
+            if name and "REG:" in line:
+                vals = dict(f.split(":", 1) for f in line.split())
+                rows[f"{os.path.basename(obj)} {name}"] = " ".join(f"{k}:{vals.get(k, '?')}" for k in FIELDS)
+                name = None
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("dump", "check"))
+    ap.add_argument("build_dir")
+    ap.add_argument("baseline", nargs="?")
+    ap.add_argument("--cuobjdump")
+    args = ap.parse_args()
+    tool = find_cuobjdump(args.cuobjdump)
+    if tool is None:
+        print("kernel_resources: no cuobjdump (CUDA toolkit, or pip install nvidia-cuda-cuobjdump)", file=sys.stderr)
+        return 2
+    try:
+        rows = resources(tool, args.build_dir)
+    except (FileNotFoundError, subprocess.CalledProcessError) as e:
+        print(f"kernel_resources: {e}", file=sys.stderr)
+        return 2
+    if args.mode == "dump":
+        for k in sorted(rows):
+            print(f"{k} {rows[k]}")
+        return 0
+    if not args.baseline:
+        ap.error("check needs the baseline file")
+    want = {}
+    for line in open(args.baseline):
+        parts = line.split()
+        if len(parts) >= 2 + len(FIELDS):
+            want[f"{parts[0]} {parts[1]}"] = " ".join(parts[2:])
+    changed = [k for k in sorted(set(want) & set(rows)) if want[k] != rows[k]]
+    added = sorted(set(rows) - set(want))
+    removed = sorted(set(want) - set(rows))
+    if not (changed or added or removed):
+        print(f"kernel_resources: {len(rows)} kernels, resources as in {args.baseline}")
+        return 0
+    print(f"kernel_resources: the kernels' resources differ from {args.baseline}:")
+    for k in changed:
+        print(f"  changed {k}\n    was {want[k]}\n    now {rows[k]}")
+    for k in added:
+        print(f"  new     {k} {rows[k]}")
+    for k in removed:
+        print(f"  gone    {k} {want[k]}")
+    print(f"  ({len(changed)} changed, {len(added)} new, {len(removed)} gone.) If the change is meant, measure it"
+          f" and rewrite the list: python3 scripts/kernel_resources.py dump {args.build_dir} > {args.baseline}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,9 +32,8 @@ def find_cuobjdump(explicit):
     found = shutil.which("cuobjdump")
     if found:
         return found
-    for cand in ("/usr/local/cuda/bin/cuobjdump",):
-        if os.path.exists(cand):
-            return cand
+    if os.path.exists("/usr/local/cuda/bin/cuobjdump"):
+        return "/usr/local/cuda/bin/cuobjdump"
     try:  # the PyPI wheel (nvidia-cuda-cuobjdump) installs under site-packages/nvidia/cu*/bin
         import nvidia  # type: ignore
 

@@ -406,6 +406,9 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
 
   // 2. Per expert (thread t owns experts [e_begin, e_end)): the block's count of l, and
   //    bitmaps: word_base[w][l] = the set bits of l's words before w; ballots: warp_prefix.
+  //    (Steps 2 and 3 of the one-block form were tried by one warp, and by half the block beside
+  //    this pass with the counts summed during the ranking: slower, or faster only with a named
+  //    barrier that racecheck reports; session 27, bench/results/README.md.)
   const int per_thread = (L + kOneThreads - 1) / kOneThreads;
   const int e_begin = min(L, tid * per_thread);
   const int e_end = min(L, e_begin + per_thread);

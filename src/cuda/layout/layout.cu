@@ -311,9 +311,19 @@ Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) 
   return with_key_bits(p, [&](auto kb) {
     return with_bitmaps(p, [&](auto bits) {
       constexpr bool kBits = ITEMS > 1 && decltype(bits)::value;  // (ITEMS = 1: one kernel)
-      return launch<layout_detail::one_block_layout_kernel<ITEMS, decltype(kb)::value, Id, kBits>>(
-          "layout: one_block_layout_kernel", dim3(static_cast<unsigned>(blocks)),
-          dim3(layout_detail::kOneThreads), smem, stream, p);
+      constexpr int KB = decltype(kb)::value;
+      const dim3 grid(static_cast<unsigned>(blocks));
+      const dim3 block(layout_detail::kOneThreads);
+      // Up to kSplitMaxLocal local experts (key bits < 10), the kernel that scans beside the
+      // per-expert prefixes (one_block_offsets; its shared memory, one_launch_smem_bytes).
+      if constexpr (KB == layout_detail::kKeyBitsSmall) {
+        if (p.num_local <= layout_detail::kSplitMaxLocal) {
+          return launch<layout_detail::one_block_layout_kernel<ITEMS, KB, Id, kBits, true>>(
+              "layout: one_block_layout_kernel", grid, block, smem, stream, p);
+        }
+      }
+      return launch<layout_detail::one_block_layout_kernel<ITEMS, KB, Id, kBits, false>>(
+          "layout: one_block_layout_kernel", grid, block, smem, stream, p);
     });
   });
 }

@@ -133,15 +133,24 @@ __host__ __device__ inline constexpr std::size_t rank_region_words(int L, int wo
   return (static_cast<std::size_t>(kOneWarps > 2 * words ? kOneWarps : 2 * words) * L + 3) / 4 * 4;
 }
 
-// Dynamic shared memory (int32): the ranking region, offs[L + 1], ends[L], long_runs[L]; the
-// cluster form adds base[L] (row of the block's first pick of l), block_counts[L], lstart[L] (the
+// Local experts up to which the one-block form scans beside the per-expert pass (one_block_offsets:
+// one expert per thread of half the block).
+constexpr int kSplitMaxLocal = kOneThreads / 2;
+
+// Dynamic shared memory (int32): the ranking region, offs[L + 1], ends[L], long_runs[L], and for
+// the one-block form with L <= kSplitMaxLocal block_counts[L]; the cluster form puts base[L] (row
+// of the block's first pick of l) and block_counts[L] after long_runs and adds lstart[L] (the
 // block's first staged pick of l) and the staging arrays
 // stage_x[chunk], stage_row[chunk]. `chunk` is cluster_chunk(N, CB) (0 for the one-block form),
 // `words` is LayoutParams::rank_words.
 __host__ __device__ inline constexpr std::size_t one_launch_smem_bytes(int L, bool cluster, int chunk = 0,
                                                                        int words = 0) {
-  return (rank_region_words(L, words) + static_cast<std::size_t>(3 + (cluster ? 3 : 0)) * L + 1 +
-          (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
+  return (rank_region_words(L, words) +
+          static_cast<std::size_t>(cluster               ? 6
+                                   : L <= kSplitMaxLocal ? 4
+                                                         : 3) *
+              L +
+          1 + (cluster ? 2 * static_cast<std::size_t>(chunk) : 0)) *
          4;
 }
 
@@ -158,6 +167,11 @@ __device__ __forceinline__ void slice(int n, int part, int per, int& begin, int&
 // raking scan, and these kernels are latency-bound.
 using OneScan = cub::BlockScan<int, kOneThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 using OneScan64 = cub::BlockScan<long long, kOneThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+// one_block_offsets: the first kScanWarps warps scan (one expert a thread), the others compute the
+// per-expert prefixes.
+constexpr int kScanWarps = kOneWarps / 2;
+constexpr int kScanThreads = kScanWarps * 32;
+static_assert(kScanThreads == kSplitMaxLocal, "one_block_offsets: one expert per scan thread");
 
 struct OneShared {
   union {
@@ -165,9 +179,11 @@ struct OneShared {
     OneScan64::TempStorage scan64;  // cluster form: two sums at once
   };
   int dropped;
-  unsigned param_sink;  // warm_params
-  int duplicates;     // bitmap ranking: some token has two picks of one local expert
-  int num_long_runs;  // experts whose tiles in this block's slice are left to the whole block
+  unsigned param_sink;               // warm_params
+  int duplicates;                    // bitmap ranking: some token has two picks of one local expert
+  int num_long_runs;                 // experts whose tiles in this block's slice are left to the whole block
+  unsigned long long scan_barrier;   // one_block_offsets: an mbarrier of the kScanThreads scan threads
+  int scan_warp_totals[kScanWarps];  // one_block_offsets: the scan warps' tile sums
 };
 
 // An expert's tiles in a block's tile slice are written by the thread that scans the expert when
@@ -181,10 +197,11 @@ constexpr int kTilesPerThread = 4;
 // [group0, group0 + per_warp) of the chunk. Per-warp counts hist[w][l] (only warp w touches them:
 // no atomics, no timing dependence; zeroed before): the ballots of all groups first (independent
 // of each other), then the chain through the warp's running counts, which only the groups' order
-// serializes.
+// serializes. counts != nullptr: each group's leader of a key also adds the group's picks of it to
+// counts[key] (a shared-memory sum: order-free), the block's counts without a per-expert pass.
 template <int ITEMS, bool kCluster, int KB>
 __device__ __forceinline__ void warp_ballot_ranks(int* packed, int* my_hist, int L, int per_warp, int group0,
-                                                  int groups) {
+                                                  int groups, int* counts = nullptr) {
   const unsigned lt = lanemask_lt();
   unsigned same[ITEMS];
   // One-block form, N <= 512 (ITEMS = 1): the last warps own no picks (their groups all lie past
@@ -205,7 +222,10 @@ __device__ __forceinline__ void warp_ballot_ranks(int* packed, int* my_hist, int
       int run = 0;
       if (key < L) run = my_hist[key];
       __syncwarp();
-      if (key < L && rank == 0) my_hist[key] = run + __popc(same[j]);
+      if (key < L && rank == 0) {
+        my_hist[key] = run + __popc(same[j]);
+        if (counts != nullptr) atomicAdd(&counts[key], __popc(same[j]));
+      }
       __syncwarp();
       packed[j] |= run + rank;
     }
@@ -213,7 +233,7 @@ __device__ __forceinline__ void warp_ballot_ranks(int* packed, int* my_hist, int
 }
 
 // Ballot ranking, part 2, per expert l of the thread ([e_begin, e_end)): hist[w][l] -> its
-// exclusive prefix over the warps w; block_counts[l] = the block's count of l.
+// exclusive prefix over the warps w; block_counts[l] = the block's count of l (unless nullptr).
 __device__ __forceinline__ void warp_prefix(int* hist, int* block_counts, int L, int e_begin, int e_end) {
   for (int l = e_begin; l < e_end; ++l) {
     int v[kOneWarps];  // all loads before any store (the compiler cannot tell the rows apart)
@@ -225,7 +245,29 @@ __device__ __forceinline__ void warp_prefix(int* hist, int* block_counts, int L,
       hist[w * L + l] = c;
       c += v[w];
     }
-    block_counts[l] = c;
+    if (block_counts != nullptr) block_counts[l] = c;
+  }
+}
+
+// Bitmap ranking, part 2, per expert l of the thread ([e_begin, e_end)): word_base[w][l] = the set
+// bits of l's words before w; block_counts[l] = the block's count of l (unless nullptr).
+__device__ __forceinline__ void bitmap_prefix(const unsigned* bits, int* word_base, int* block_counts, int L,
+                                              int W, int e_begin, int e_end) {
+  for (int l = e_begin; l < e_end; ++l) {
+    int c = 0;
+    // W is a multiple of kRankWordsBatch: whole batches, loads before stores (the compiler cannot
+    // tell the arrays apart), no guards (guarded, this phase took ~1550 cycles at W = 8).
+    for (int w0 = 0; w0 < W; w0 += kRankWordsBatch) {
+      unsigned v[kRankWordsBatch];
+#pragma unroll
+      for (int i = 0; i < kRankWordsBatch; ++i) v[i] = bits[(w0 + i) * L + l];
+#pragma unroll
+      for (int i = 0; i < kRankWordsBatch; ++i) {
+        word_base[(w0 + i) * L + l] = c;
+        c += __popc(v[i]);
+      }
+    }
+    if (block_counts != nullptr) block_counts[l] = c;
   }
 }
 
@@ -264,10 +306,108 @@ __device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> ke
   return within;
 }
 
+// Steps 2 and 3 of the one-block form for L <= kScanThreads (kSplit below), after the ranking
+// barrier, with the block's counts already in block_counts[l] (shared-memory sums during the
+// ranking). Thread l < kScanThreads owns expert l: a warp scan of its tile count, the warps' sums
+// through shared memory behind an mbarrier of the kScanThreads scan threads, then it places its
+// expert (offs, ends, counts and offsets, tiles, as in step 3). Meanwhile the other kScanWarps
+// warps compute the per-expert prefixes that only the row writes need: word_base (bitmaps,
+// by_bits) or the per-warp prefixes of the ballots' hist (kBallots). The caller's next
+// __syncthreads orders both before the row writes. Against the block-wide form, whose scan waits
+// for the per-expert pass and then for cub::BlockScan's barrier, measured on the H200 (E=256 K=8
+// M=128, us, same call, session 27): T = 1 / 16 / 128 / 256 2.00 / 2.06 / 2.36 / 3.23 against 2.19 /
+// 2.23 / 2.65 / 3.35; deepseek-v3 route + layout T = 1 / 16 / 256 3.86 / 4.01 / 5.68 against 4.03 /
+// 4.19 / 5.92. (With a named barrier, bar.sync 1, 256, instead of the mbarrier, racecheck reported
+// hazards between the scan threads' stores and the row phase; with each scan warp loading every
+// count instead of any barrier, 4-5% slower than the block-wide form.)
+template <bool kBallots>
+__device__ __forceinline__ void one_block_offsets(const LayoutParams& p, OneShared& sh, int block,
+                                                  bool by_bits, const unsigned* bits, int* word_base, int W,
+                                                  int* hist, const int* block_counts, int* offs, int* ends,
+                                                  int* long_runs, int t0, int t1) {
+  const int L = p.num_local;
+  const int M = p.tile_size;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  if (tid >= kScanThreads) {
+    const int l = min(L, tid - kScanThreads);
+    if constexpr (kBallots) {
+      warp_prefix(hist, nullptr, L, l, min(L, l + 1));
+    } else if (by_bits) {
+      bitmap_prefix(bits, word_base, nullptr, L, W, l, min(L, l + 1));
+    }
+    return;
+  }
+  const int mine = tid < L ? static_cast<int>(tiles_of(static_cast<std::uint32_t>(block_counts[tid]), p)) : 0;
+  int incl = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += t;
+  }
+  if (lane == 31) sh.scan_warp_totals[warp] = incl;
+  // The scan threads meet at an mbarrier (arrive: release; the wait: acquire), not at a named
+  // barrier (bar.sync 1, 256), which compute-sanitizer racecheck did not treat as ordering these
+  // stores before the row phase (session 27).
+  const auto bar = static_cast<unsigned>(__cvta_generic_to_shared(&sh.scan_barrier));
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+  for (unsigned done = 0; done == 0;) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar)
+        : "memory");
+  }
+  int before = 0;  // tiles of the experts before this warp's 32
+  int num_tiles = 0;
+#pragma unroll
+  for (int w = 0; w < kScanWarps; ++w) {
+    const int v = sh.scan_warp_totals[w];
+    before += w < warp ? v : 0;
+    num_tiles += v;
+  }
+  const int l = tid;
+  if (l < L) {
+    const int tile_prefix = before + incl - mine;
+    const int c = block_counts[l];
+    const int row0 = tile_prefix * M;
+    const int row_end = row0 + c;
+    offs[l] = row0;
+    ends[l] = row_end;
+    int l0, l1;  // this block's slice of experts (counts, offsets)
+    slice(L, block, p.locals_per_block, l0, l1);
+    if (l >= l0 && l < l1) {
+      p.counts[l] = c;
+      p.offsets[l] = row0;
+    }
+    const int a = max(tile_prefix, t0);
+    const int b = min(tile_prefix + mine, t1);
+    if (b - a > kTilesPerThread) {
+      long_runs[atomicAdd(&sh.num_long_runs, 1)] = l;  // list order does not reach the output
+    } else {
+      for (int t = a; t < b; ++t) {
+        p.tile_expert[t] = l;
+        p.tile_row_end[t] = min((t + 1) * M, row_end);  // (t + 1) * M <= padded_total
+      }
+    }
+  }
+  if (tid == 0) {
+    const int padded_total = num_tiles * M;  // < 2^31: the max_permuted_rows bound
+    offs[L] = padded_total;
+    if (block == 0) {
+      p.offsets[L] = padded_total;
+      p.totals[0] = padded_total;
+      p.totals[1] = num_tiles;
+      p.totals[2] = sh.dropped;
+    }
+  }
+}
+
 // The whole layout; see the top of this file. Called by all kOneThreads threads of each block,
 // before pdl_wait(). CB = 0: the one-block form; CB > 0: the cluster form, gridDim.x == CB (one
 // cluster of CB <= kMaxClusterBlocks blocks, or the grid form's cooperative grid of CB blocks).
-template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps>
+template <int ITEMS, int CB, int KB, typename Id, bool kBitmaps, bool kSplit = false>
 __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShared& sh, int* dyn) {
   constexpr bool kCluster = CB > 0;
   const int L = p.num_local;
@@ -280,19 +420,31 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   // 512 picks whose bitmaps fit.
   constexpr bool kBits = kBitmaps && ITEMS > 1;
   const int W = kBits ? p.rank_words : 0;
-  int* hist = dyn;                                    // [kOneWarps][L] (ballot ranking)
-  unsigned* bits = reinterpret_cast<unsigned*>(dyn);  // [W][L] (bitmap ranking)
-  int* word_base = dyn + W * L;                       // [W][L] (bitmap ranking)
-  int* offs = dyn + rank_region_words(L, W);          // [L + 1]
-  int* ends = offs + L + 1;                           // [L]
-  int* long_runs = ends + L;                          // [L]
-  int* base = kCluster ? long_runs + L : offs;        // [L]
-  int* block_counts = kCluster ? base + L : ends;     // [L] (cluster form only)
-  int* lstart = block_counts + L;                     // [L] (cluster form only)
-  int* stage_x = lstart + L;                          // [chunk] (cluster form only)
+  int* hist = dyn;                                                          // [kOneWarps][L] (ballot ranking)
+  unsigned* bits = reinterpret_cast<unsigned*>(dyn);                        // [W][L] (bitmap ranking)
+  int* word_base = dyn + W * L;                                             // [W][L] (bitmap ranking)
+  int* offs = dyn + rank_region_words(L, W);                                // [L + 1]
+  int* ends = offs + L + 1;                                                 // [L]
+  int* long_runs = ends + L;                                                // [L]
+  int* base = kCluster ? long_runs + L : offs;                              // [L]
+  int* block_counts = kCluster ? base + L : kSplit ? long_runs + L : ends;  // [L]
+  int* lstart = block_counts + L;                                           // [L] (cluster form only)
+  int* stage_x = lstart + L;                                                // [chunk] (cluster form only)
 
   // Shared memory only before pdl_wait (PDL contract): this overlaps the previous kernel's tail.
   zero_words(dyn, kBits ? W * L : kOneWarps * L);  // bitmaps or hist (rank_by_ballots zeroes its own)
+  // kSplit (the one-block form with L <= kScanThreads, the launcher's choice): the block's counts are
+  // summed during the ranking (tally) and steps 2 and 3 run as one_block_offsets. A compile-time
+  // choice: code a kernel carries but does not run has cost ~0.15 us a call before (rank_by_ballots).
+  static_assert(!(kSplit && kCluster), "kSplit: the one-block form only");
+  int* tally = kSplit ? block_counts : nullptr;
+  if constexpr (kSplit) {
+    for (int l = tid; l < L; l += kOneThreads) block_counts[l] = 0;
+    if (tid == 0) {  // its first use follows the ranking's __syncthreads
+      const auto bar = static_cast<unsigned>(__cvta_generic_to_shared(&sh.scan_barrier));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "n"(kScanThreads) : "memory");
+    }
+  }
   if (tid == 0) {
     // The parameters into the constant cache (launch.cuh): measured on the H200 (same call, two
     // runs; session 24), E=256 K=8 T = 1024 / 4096 / 16384 4.76 / 5.85 / 7.81 -> 4.70 / 5.80 / 7.71 us,
@@ -391,6 +543,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
         const int u = token_of(c0 + (group0 + j) * 32 + lane) - first_token;
         const unsigned bit = 1u << (u & 31);
         if (atomicOr(&bits[(u >> 5) * L + key[j]], bit) & bit) duplicate = true;
+        if (tally != nullptr) atomicAdd(&tally[key[j]], 1);  // a sum: order does not matter
       }
     }
     if (__any_sync(0xffffffffu, duplicate) && lane == 0) atomicOr(&sh.duplicates, 1);
@@ -399,161 +552,151 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     by_bits = sh.duplicates == 0;
     if (!by_bits) ballot_within = rank_by_ballots<ITEMS, KB>(keys, hist, block_counts, L, per_warp, groups);
   } else {
-    warp_ballot_ranks<ITEMS, kCluster, KB>(key, my_hist, L, per_warp, group0, groups);
+    warp_ballot_ranks<ITEMS, kCluster, KB>(key, my_hist, L, per_warp, group0, groups, tally);
     add_dropped();
     __syncthreads();  // hist complete
   }
 
-  // 2. Per expert (thread t owns experts [e_begin, e_end)): the block's count of l, and
-  //    bitmaps: word_base[w][l] = the set bits of l's words before w; ballots: warp_prefix.
-  //    (Steps 2 and 3 of the one-block form were tried by one warp, and by half the block beside
-  //    this pass with the counts summed during the ranking: slower, or faster only with a named
-  //    barrier that racecheck reports; session 27, bench/results/README.md.)
-  const int per_thread = (L + kOneThreads - 1) / kOneThreads;
-  const int e_begin = min(L, tid * per_thread);
-  const int e_end = min(L, e_begin + per_thread);
-  if constexpr (kBits) {
-    for (int l = e_begin; by_bits && l < e_end; ++l) {
-      int c = 0;
-      // W is a multiple of kRankWordsBatch: whole batches, loads before stores (the compiler cannot
-      // tell the arrays apart), no guards (guarded, this phase took ~1550 cycles at W = 8).
-      for (int w0 = 0; w0 < W; w0 += kRankWordsBatch) {
-        unsigned v[kRankWordsBatch];
-#pragma unroll
-        for (int i = 0; i < kRankWordsBatch; ++i) v[i] = bits[(w0 + i) * L + l];
-#pragma unroll
-        for (int i = 0; i < kRankWordsBatch; ++i) {
-          word_base[(w0 + i) * L + l] = c;
-          c += __popc(v[i]);
-        }
-      }
-      block_counts[l] = c;  // one block: ends[l] holds the count until the scan
-    }
-  } else {
-    warp_prefix(hist, block_counts, L, e_begin, e_end);
-  }
+  int num_tiles = 0;
+  int padded_total = 0;
+  int l0 = 0, l1 = 0;  // this block's slice of experts (counts, offsets)
+  int placed = 0;      // cluster form: the block's picks that get a row
   namespace cg = cooperative_groups;
-  if constexpr (kCluster) {
-    // The blocks' counts meet in the workspace (L2): block b stores its counts into
-    // chunk_hist[b][0..L) and its dropped ids into chunk_dropped[b], the cluster (or grid)
-    // barrier's release publishes them, and every block loads the CB rows (128-byte lines).
-    // Measured on the H200 (E=256 K=8 M=128 T = 1024 / 4096 / 8192, us): 4.96 / 6.52 / 8.88
-    // against 5.46 / 7.12 / 9.17 for the best exchange through distributed shared memory (int4
-    // loads of every block's counts, ~2000 cycles of the kernel's ~13000 at T = 4096 whatever the
-    // number of requests; a cluster barrier after them); E=512 K=10 T = 1024 / 4096 6.26 / 8.78
-    // against 7.36 / 9.71. Pushing the counts into every block by st.async (an mbarrier counting
-    // the bytes) or by one bulk copy per block pair was no faster than the loads (session 14).
-    for (int l = e_begin; l < e_end; ++l) p.chunk_hist[block * L + l] = block_counts[l];
-    if (tid == 0) p.chunk_dropped[block] = sh.dropped;
-    if constexpr (CB > kMaxClusterBlocks) {
-      cg::this_grid().sync();  // every block's counts are published
+  if constexpr (kSplit) {
+    one_block_offsets<!kBits>(p, sh, block, by_bits, bits, word_base, W, hist, block_counts, offs, ends,
+                              long_runs, t0, t1);
+  } else {
+    // 2. Per expert (thread t owns experts [e_begin, e_end)): the block's count of l, and
+    //    bitmaps: word_base[w][l] = the set bits of l's words before w; ballots: warp_prefix.
+    //    (Steps 2 and 3 by one warp instead were 1-1.5 us slower at T <= 256; session 27.)
+    const int per_thread = (L + kOneThreads - 1) / kOneThreads;
+    const int e_begin = min(L, tid * per_thread);
+    const int e_end = min(L, e_begin + per_thread);
+    if constexpr (kBits) {
+      if (by_bits) bitmap_prefix(bits, word_base, block_counts, L, W, e_begin, e_end);  // one block: ends
     } else {
-      cg::this_cluster().sync();  // every block's counts are published
+      warp_prefix(hist, block_counts, L, e_begin, e_end);
     }
-    // The dropped total (block 0 writes totals[2]): the last warp's loads of the CB counts go out
-    // before the loads of the per-expert rows, so that both are in flight at once. (Loaded by
-    // thread 0 after its expert's rows, they made block 0, and so the kernel, end ~200 / ~600 ns
-    // after the other blocks with 32 / 64 blocks: a globaltimer timeline on the H200, session 15.)
-    constexpr int kDroppedPerLane = (CB + 31) / 32;
-    const bool dropped_warp = block == 0 && warp == kOneWarps - 1;  // warp-uniform
-    int dropped_part[kDroppedPerLane];
+    if constexpr (kCluster) {
+      // The blocks' counts meet in the workspace (L2): block b stores its counts into
+      // chunk_hist[b][0..L) and its dropped ids into chunk_dropped[b], the cluster (or grid)
+      // barrier's release publishes them, and every block loads the CB rows (128-byte lines).
+      // Measured on the H200 (E=256 K=8 M=128 T = 1024 / 4096 / 8192, us): 4.96 / 6.52 / 8.88
+      // against 5.46 / 7.12 / 9.17 for the best exchange through distributed shared memory (int4
+      // loads of every block's counts, ~2000 cycles of the kernel's ~13000 at T = 4096 whatever the
+      // number of requests; a cluster barrier after them); E=512 K=10 T = 1024 / 4096 6.26 / 8.78
+      // against 7.36 / 9.71. Pushing the counts into every block by st.async (an mbarrier counting
+      // the bytes) or by one bulk copy per block pair was no faster than the loads (session 14).
+      for (int l = e_begin; l < e_end; ++l) p.chunk_hist[block * L + l] = block_counts[l];
+      if (tid == 0) p.chunk_dropped[block] = sh.dropped;
+      if constexpr (CB > kMaxClusterBlocks) {
+        cg::this_grid().sync();  // every block's counts are published
+      } else {
+        cg::this_cluster().sync();  // every block's counts are published
+      }
+      // The dropped total (block 0 writes totals[2]): the last warp's loads of the CB counts go out
+      // before the loads of the per-expert rows, so that both are in flight at once. (Loaded by
+      // thread 0 after its expert's rows, they made block 0, and so the kernel, end ~200 / ~600 ns
+      // after the other blocks with 32 / 64 blocks: a globaltimer timeline on the H200, session 15.)
+      constexpr int kDroppedPerLane = (CB + 31) / 32;
+      const bool dropped_warp = block == 0 && warp == kOneWarps - 1;  // warp-uniform
+      int dropped_part[kDroppedPerLane];
 #pragma unroll
-    for (int i = 0; i < kDroppedPerLane; ++i) {
-      const int b = lane + 32 * i;
-      dropped_part[i] = dropped_warp && b < CB ? __ldcg(p.chunk_dropped + b) : 0;
-    }
-    // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks. The loads go
-    // out in batches of up to 64 (a register each).
-    constexpr int kBatch = CB < 64 ? CB : 64;
-    for (int l = e_begin; l < e_end; ++l) {
-      int before = 0;
-      int c = 0;
+      for (int i = 0; i < kDroppedPerLane; ++i) {
+        const int b = lane + 32 * i;
+        dropped_part[i] = dropped_warp && b < CB ? __ldcg(p.chunk_dropped + b) : 0;
+      }
+      // before[l] = picks of l in the chunks of blocks < ours; the count = all blocks. The loads go
+      // out in batches of up to 64 (a register each).
+      constexpr int kBatch = CB < 64 ? CB : 64;
+      for (int l = e_begin; l < e_end; ++l) {
+        int before = 0;
+        int c = 0;
 #pragma unroll 1
-      for (int b0 = 0; b0 < CB; b0 += kBatch) {
-        int v[kBatch];
+        for (int b0 = 0; b0 < CB; b0 += kBatch) {
+          int v[kBatch];
 #pragma unroll
-        for (int i = 0; i < kBatch; ++i) v[i] = __ldcg(p.chunk_hist + (b0 + i) * L + l);
+          for (int i = 0; i < kBatch; ++i) v[i] = __ldcg(p.chunk_hist + (b0 + i) * L + l);
 #pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-          before += b0 + i < block ? v[i] : 0;
-          c += v[i];
+          for (int i = 0; i < kBatch; ++i) {
+            before += b0 + i < block ? v[i] : 0;
+            c += v[i];
+          }
+        }
+        base[l] = before;
+        ends[l] = c;
+      }
+      if (dropped_warp) {
+        int dropped_total = 0;
+#pragma unroll
+        for (int i = 0; i < kDroppedPerLane; ++i) dropped_total += dropped_part[i];
+        dropped_total = __reduce_add_sync(0xffffffffu, dropped_total);  // a sum: order does not matter
+        if (lane == 0) p.totals[2] = dropped_total;
+      }
+    }
+
+    // 3. Offsets: one scan of the experts' tile counts q = ceil(count / M); offsets are M times the
+    //    tiles before (the cluster form also scans the block's own counts in the low half of a
+    //    64-bit sum: lstart, where its picks of each expert start in the stage). The thread of an
+    //    expert then writes its tiles in this block's tile slice (no search for a tile's expert).
+    long long run_sum = 0;
+    for (int l = e_begin; l < e_end; ++l) {
+      const int q = static_cast<int>(tiles_of(static_cast<std::uint32_t>(ends[l]), p));
+      offs[l] = q;  // kept for the second pass
+      run_sum += kCluster ? (static_cast<long long>(q) << 32) + block_counts[l] : q;
+    }
+    int tile_prefix;
+    int lprefix = 0;  // cluster form: the block's picks of experts before l
+    if constexpr (kCluster) {
+      long long prefix64, total64;
+      OneScan64(sh.scan64).ExclusiveSum(run_sum, prefix64, total64);
+      tile_prefix = static_cast<int>(prefix64 >> 32);
+      lprefix = static_cast<int>(prefix64 & 0xffffffffLL);
+      num_tiles = static_cast<int>(total64 >> 32);
+      placed = static_cast<int>(total64 & 0xffffffffLL);
+    } else {
+      OneScan(sh.scan).ExclusiveSum(static_cast<int>(run_sum), tile_prefix, num_tiles);
+    }
+    padded_total = num_tiles * M;  // < 2^31: the max_permuted_rows bound
+    slice(L, block, p.locals_per_block, l0, l1);
+    for (int l = e_begin; l < e_end; ++l) {
+      const int c = ends[l];
+      const int q = offs[l];
+      const int row0 = tile_prefix * M;
+      const int row_end = row0 + c;
+      offs[l] = row0;
+      ends[l] = row_end;
+      if constexpr (kCluster) {
+        base[l] += row0;
+        lstart[l] = lprefix;
+        lprefix += block_counts[l];
+      }
+      if (l >= l0 && l < l1) {
+        p.counts[l] = c;
+        p.offsets[l] = row0;
+      }
+      const int a = max(tile_prefix, t0);
+      const int b = min(tile_prefix + q, t1);
+      if (b - a > kTilesPerThread) {
+        long_runs[atomicAdd(&sh.num_long_runs, 1)] = l;  // list order does not reach the output
+      } else {
+        for (int t = a; t < b; ++t) {
+          p.tile_expert[t] = l;
+          p.tile_row_end[t] = min((t + 1) * M, row_end);  // (t + 1) * M <= padded_total
         }
       }
-      base[l] = before;
-      ends[l] = c;
+      tile_prefix += q;
     }
-    if (dropped_warp) {
-      int dropped_total = 0;
-#pragma unroll
-      for (int i = 0; i < kDroppedPerLane; ++i) dropped_total += dropped_part[i];
-      dropped_total = __reduce_add_sync(0xffffffffu, dropped_total);  // a sum: order does not matter
-      if (lane == 0) p.totals[2] = dropped_total;
-    }
-  }
-
-  // 3. Offsets: one scan of the experts' tile counts q = ceil(count / M); offsets are M times the
-  //    tiles before (the cluster form also scans the block's own counts in the low half of a
-  //    64-bit sum: lstart, where its picks of each expert start in the stage). The thread of an
-  //    expert then writes its tiles in this block's tile slice (no search for a tile's expert).
-  long long run_sum = 0;
-  for (int l = e_begin; l < e_end; ++l) {
-    const int q = static_cast<int>(tiles_of(static_cast<std::uint32_t>(ends[l]), p));
-    offs[l] = q;  // kept for the second pass
-    run_sum += kCluster ? (static_cast<long long>(q) << 32) + block_counts[l] : q;
-  }
-  int tile_prefix, num_tiles;
-  int lprefix = 0;  // cluster form: the block's picks of experts before l
-  int placed = 0;   // cluster form: the block's picks that get a row
-  if constexpr (kCluster) {
-    long long prefix64, total64;
-    OneScan64(sh.scan64).ExclusiveSum(run_sum, prefix64, total64);
-    tile_prefix = static_cast<int>(prefix64 >> 32);
-    lprefix = static_cast<int>(prefix64 & 0xffffffffLL);
-    num_tiles = static_cast<int>(total64 >> 32);
-    placed = static_cast<int>(total64 & 0xffffffffLL);
-  } else {
-    OneScan(sh.scan).ExclusiveSum(static_cast<int>(run_sum), tile_prefix, num_tiles);
-  }
-  const int padded_total = num_tiles * M;  // < 2^31: the max_permuted_rows bound
-  int l0, l1;                              // this block's slice of experts (counts, offsets)
-  slice(L, block, p.locals_per_block, l0, l1);
-  for (int l = e_begin; l < e_end; ++l) {
-    const int c = ends[l];
-    const int q = offs[l];
-    const int row0 = tile_prefix * M;
-    const int row_end = row0 + c;
-    offs[l] = row0;
-    ends[l] = row_end;
-    if constexpr (kCluster) {
-      base[l] += row0;
-      lstart[l] = lprefix;
-      lprefix += block_counts[l];
-    }
-    if (l >= l0 && l < l1) {
-      p.counts[l] = c;
-      p.offsets[l] = row0;
-    }
-    const int a = max(tile_prefix, t0);
-    const int b = min(tile_prefix + q, t1);
-    if (b - a > kTilesPerThread) {
-      long_runs[atomicAdd(&sh.num_long_runs, 1)] = l;  // list order does not reach the output
-    } else {
-      for (int t = a; t < b; ++t) {
-        p.tile_expert[t] = l;
-        p.tile_row_end[t] = min((t + 1) * M, row_end);  // (t + 1) * M <= padded_total
+    if (tid == 0) {
+      offs[L] = padded_total;
+      if (block == 0) {
+        p.offsets[L] = padded_total;
+        p.totals[0] = padded_total;
+        p.totals[1] = num_tiles;
+        if constexpr (!kCluster) p.totals[2] = sh.dropped;  // (the cluster form: its dropped warp)
       }
     }
-    tile_prefix += q;
-  }
-  if (tid == 0) {
-    offs[L] = padded_total;
-    if (block == 0) {
-      p.offsets[L] = padded_total;
-      p.totals[0] = padded_total;
-      p.totals[1] = num_tiles;
-      if constexpr (!kCluster) p.totals[2] = sh.dropped;  // (the cluster form: its dropped warp)
-    }
-  }
+  }                 // kSplit
   __syncthreads();  // offs, ends, base complete (one-block form: its fills are ordered before what follows)
 
   // 4a. The real rows (the one-block form: those in its row slice; it ranked every pick) and
@@ -647,12 +790,12 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   }
 }
 
-template <int ITEMS, int KB, typename Id, bool kBitmaps>
+template <int ITEMS, int KB, typename Id, bool kBitmaps, bool kSplit>
 __global__ void __launch_bounds__(kOneThreads, 1)
     one_block_layout_kernel(__grid_constant__ const LayoutParams p) {
   __shared__ OneShared sh;
   extern __shared__ __align__(16) int one_dyn[];
-  one_launch_layout<ITEMS, 0, KB, Id, kBitmaps>(p, sh, one_dyn);
+  one_launch_layout<ITEMS, 0, KB, Id, kBitmaps, kSplit>(p, sh, one_dyn);
 }
 
 // Launched as one cluster of CB blocks (the cluster dimension is a launch attribute, see layout.cu),

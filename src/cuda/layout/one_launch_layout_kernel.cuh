@@ -169,9 +169,8 @@ using OneScan = cub::BlockScan<int, kOneThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 using OneScan64 = cub::BlockScan<long long, kOneThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 // one_block_offsets: the first kScanWarps warps scan (one expert a thread), the others compute the
 // per-expert prefixes.
-constexpr int kScanWarps = kOneWarps / 2;
-constexpr int kScanThreads = kScanWarps * 32;
-static_assert(kScanThreads == kSplitMaxLocal, "one_block_offsets: one expert per scan thread");
+constexpr int kScanThreads = kSplitMaxLocal;
+constexpr int kScanWarps = kScanThreads / 32;
 
 struct OneShared {
   union {

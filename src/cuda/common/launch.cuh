@@ -45,6 +45,23 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Bytes [ptr, ptr + bytes) into L2 while the previous kernel runs, before pdl_wait(): one
+// cp.async.bulk.prefetch.L2 (sm_90) over the 16-byte granules the range touches (they lie in the
+// range's own pages). A prefetch is a hint, not a load: nothing is read into registers or L1, and
+// L2 is where every SM's global writes land, so the loads after pdl_wait() still see everything the
+// previous kernel wrote, even if it writes these bytes after the prefetch. That keeps it within the
+// PDL contract below (no global access before the wait).
+__device__ __forceinline__ void prefetch_l2(const void* ptr, unsigned long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const auto a = reinterpret_cast<unsigned long long>(ptr);
+  const unsigned long long lo = a & ~15ull;
+  const unsigned long long hi = (a + bytes + 15ull) & ~15ull;
+  if (bytes != 0)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(lo), "r"(static_cast<unsigned>(hi - lo))
+                 : "memory");
+#endif
+}
+
 // Parameters into the constant cache while the previous kernel runs, before pdl_wait(), so that
 // the first use of each parameter line after the wait does not stall on a miss. One word of every
 // 16 bytes is loaded (the parameters start 16 bytes into a 32-byte line on sm_90, c[0x0][0x210],

@@ -450,13 +450,19 @@ __global__ void __launch_bounds__(THREADS) chunk_histogram_kernel(const LayoutPa
   const int tid = static_cast<int>(threadIdx.x);
   const int b = static_cast<int>(blockIdx.x);
   for (int i = tid; i < L; i += THREADS) hist[i] = 0;
-  if (tid == 0) dropped_total = 0;
+  const Id* ids = static_cast<const Id*>(p.topk_ids);
+  const int x0 = b * p.chunk_picks;
+  if (tid == 0) {
+    dropped_total = 0;
+    // The first wave's chunks into L2 (launch.cuh's prefetch_l2); later blocks start after the wait.
+    if (static_cast<unsigned>(b) < kWarmBlocks)
+      prefetch_l2(ids + x0,
+                  static_cast<unsigned long long>(min(p.chunk_picks, p.num_picks - x0)) * sizeof(Id));
+  }
   pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
   pdl_wait();
   __syncthreads();
 
-  const Id* ids = static_cast<const Id*>(p.topk_ids);
-  const int x0 = b * p.chunk_picks;
   int dropped = 0;
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {

@@ -305,6 +305,34 @@ __device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> ke
   return within;
 }
 
+// Step 3 for one expert l, once the tiles before it are known: its first row (offs) and the end of
+// its real rows (ends), its count and offset if l is in this block's expert slice [l0, l1), and its
+// tiles in this block's tile slice [t0, t1) (a run of more than kTilesPerThread goes to long_runs, for
+// the whole block after the next barrier). Shared by one_block_offsets and the block-wide step 3.
+__device__ __forceinline__ void place_expert(const LayoutParams& p, OneShared& sh, int l, int count,
+                                             int tile_prefix, int tiles, int l0, int l1, int t0, int t1,
+                                             int* offs, int* ends, int* long_runs) {
+  const int M = p.tile_size;
+  const int row0 = tile_prefix * M;
+  const int row_end = row0 + count;
+  offs[l] = row0;
+  ends[l] = row_end;
+  if (l >= l0 && l < l1) {
+    p.counts[l] = count;
+    p.offsets[l] = row0;
+  }
+  const int a = max(tile_prefix, t0);
+  const int b = min(tile_prefix + tiles, t1);
+  if (b - a > kTilesPerThread) {
+    long_runs[atomicAdd(&sh.num_long_runs, 1)] = l;  // list order does not reach the output
+  } else {
+    for (int t = a; t < b; ++t) {
+      p.tile_expert[t] = l;
+      p.tile_row_end[t] = min((t + 1) * M, row_end);  // (t + 1) * M <= padded_total
+    }
+  }
+}
+
 // Steps 2 and 3 of the one-block form for L <= kScanThreads (kSplit below), after the ranking
 // barrier, with the block's counts already in block_counts[l] (shared-memory sums during the
 // ranking). Thread l < kScanThreads owns expert l: a warp scan of its tile count, the warps' sums
@@ -366,30 +394,11 @@ __device__ __forceinline__ void one_block_offsets(const LayoutParams& p, OneShar
     before += w < warp ? v : 0;
     num_tiles += v;
   }
-  const int l = tid;
-  if (l < L) {
-    const int tile_prefix = before + incl - mine;
-    const int c = block_counts[l];
-    const int row0 = tile_prefix * M;
-    const int row_end = row0 + c;
-    offs[l] = row0;
-    ends[l] = row_end;
+  if (tid < L) {
     int l0, l1;  // this block's slice of experts (counts, offsets)
     slice(L, block, p.locals_per_block, l0, l1);
-    if (l >= l0 && l < l1) {
-      p.counts[l] = c;
-      p.offsets[l] = row0;
-    }
-    const int a = max(tile_prefix, t0);
-    const int b = min(tile_prefix + mine, t1);
-    if (b - a > kTilesPerThread) {
-      long_runs[atomicAdd(&sh.num_long_runs, 1)] = l;  // list order does not reach the output
-    } else {
-      for (int t = a; t < b; ++t) {
-        p.tile_expert[t] = l;
-        p.tile_row_end[t] = min((t + 1) * M, row_end);  // (t + 1) * M <= padded_total
-      }
-    }
+    place_expert(p, sh, tid, block_counts[tid], before + incl - mine, mine, l0, l1, t0, t1, offs, ends,
+                 long_runs);
   }
   if (tid == 0) {
     const int padded_total = num_tiles * M;  // < 2^31: the max_permuted_rows bound
@@ -449,6 +458,11 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     // runs; session 24), E=256 K=8 T = 1024 / 4096 / 16384 4.76 / 5.85 / 7.81 -> 4.70 / 5.80 / 7.71 us,
     // E=512 K=10 T = 4096 7.07 -> 6.98; T <= 256 unchanged.
     warm_params(p, &sh.param_sink);
+    // The ids this block ranks (all, or its chunk) into L2 (launch.cuh's prefetch_l2).
+    const int chunk = kCluster ? cluster_chunk(N, CB) : N;
+    const int x0 = kCluster ? min(N, block * chunk) : 0;
+    prefetch_l2(static_cast<const Id*>(p.topk_ids) + x0,
+                static_cast<unsigned long long>(min(N, x0 + chunk) - x0) * sizeof(Id));
     sh.dropped = 0;
     if (kBits) sh.duplicates = 0;
     sh.num_long_runs = 0;
@@ -659,31 +673,13 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     padded_total = num_tiles * M;  // < 2^31: the max_permuted_rows bound
     slice(L, block, p.locals_per_block, l0, l1);
     for (int l = e_begin; l < e_end; ++l) {
-      const int c = ends[l];
       const int q = offs[l];
-      const int row0 = tile_prefix * M;
-      const int row_end = row0 + c;
-      offs[l] = row0;
-      ends[l] = row_end;
       if constexpr (kCluster) {
-        base[l] += row0;
+        base[l] += tile_prefix * M;
         lstart[l] = lprefix;
         lprefix += block_counts[l];
       }
-      if (l >= l0 && l < l1) {
-        p.counts[l] = c;
-        p.offsets[l] = row0;
-      }
-      const int a = max(tile_prefix, t0);
-      const int b = min(tile_prefix + q, t1);
-      if (b - a > kTilesPerThread) {
-        long_runs[atomicAdd(&sh.num_long_runs, 1)] = l;  // list order does not reach the output
-      } else {
-        for (int t = a; t < b; ++t) {
-          p.tile_expert[t] = l;
-          p.tile_row_end[t] = min((t + 1) * M, row_end);  // (t + 1) * M <= padded_total
-        }
-      }
+      place_expert(p, sh, l, ends[l], tile_prefix, q, l0, l1, t0, t1, offs, ends, long_runs);
       tile_prefix += q;
     }
     if (tid == 0) {

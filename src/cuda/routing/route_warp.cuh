@@ -179,6 +179,27 @@ __device__ __forceinline__ unsigned route_params_xor(const RouteParams& p) {
          static_cast<unsigned>(p.n_group) ^ static_cast<unsigned>(p.group_take);
 }
 
+// The logits of rows [first, first + rows) (those below num_tokens) and the bias into L2 before
+// pdl_wait() (launch.cuh's prefetch_l2), by one thread of a block: one range where the rows are
+// contiguous, else one a row.
+__device__ __forceinline__ void prefetch_route_inputs(const RouteParams& p, std::int64_t first,
+                                                      std::int64_t rows) {
+  const std::int64_t n = rows < p.num_tokens - first ? rows : p.num_tokens - first;
+  if (n <= 0) return;
+  const std::int64_t elem = p.logits_dtype == static_cast<int>(DType::kFloat32) ? 4 : 2;
+  const unsigned char* base = static_cast<const unsigned char*>(p.logits) + first * p.row_stride * elem;
+  if (p.row_stride == p.num_experts) {
+    prefetch_l2(base, static_cast<unsigned long long>(n * p.num_experts * elem));
+  } else {
+    for (std::int64_t r = 0; r < n; ++r)
+      prefetch_l2(base + r * p.row_stride * elem, static_cast<unsigned long long>(p.num_experts * elem));
+  }
+  if (p.bias != nullptr) {
+    const int bias_elem = p.bias_dtype == static_cast<int>(DType::kFloat32) ? 4 : 2;
+    prefetch_l2(p.bias, static_cast<unsigned long long>(p.num_experts) * bias_elem);
+  }
+}
+
 // Division of x < 2^16 by d < 2^16 via a multiply: floor(x * ceil(2^32 / d) / 2^32) is exact in
 // that range (the error term x * eps / 2^32 < 2^-16 < 1 / d). magic 0 means d == 1.
 inline unsigned div_magic(unsigned d) {

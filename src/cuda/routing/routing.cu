@@ -30,6 +30,20 @@ using routing::RouteParams;
 // (llama4-maverick T = 65536 22.3 -> 22.9, the lightest rows; my guess: every block now reads its
 // index before the wait, a serial S2R). Done in every block (session 24, and session 25 without a
 // shared sink) it cost 1-12% at T >= 16384.
+//
+// Grids of at most kPrefetchMaxBlocks blocks also prefetch their rows' logits and the bias into L2
+// before pdl_wait() (prefetch_route_inputs, launch.cuh's prefetch_l2): thread 0 of each block, its
+// block's rows. 4 blocks of 256 threads on each of the H200's 132 SMs: every block can be resident
+// at once and start while the previous kernel still runs. Measured on the H200 (same call against
+// the kernels without it, two runs of six configurations and one of all; session 28,
+// bench/results ..._s28_prefetch_ab.md): T = 4096 qwen3-next fp32 6.16 -> 5.26 us, softmax-e256-k8
+// 4.79 -> 4.05, deepseek-v3 5.99 -> 5.70; T <= 1024 mostly 1-4% faster (deepseek-v2 2-3% slower at
+// T = 128-1024, kimi-k2 fp32 T = 16 within its spread); mixtral T = 65536 2.59 -> 2.13 (the
+// one-thread-a-row kernel's grid is 256 blocks). Prefetching every resident block's rows at any T
+// (the first 1056 blocks) made T = 16384 7-8% slower (deepseek-v3 fp32 16.95 -> 18.3): the first
+// wave's prefetches then compete for HBM with the previous kernel's own loads, which are still
+// the critical path.
+constexpr unsigned kPrefetchMaxBlocks = 4 * kWarmBlocks;
 constexpr int kWarpsPerBlock = 8;                    // 256 threads: many rows in flight per SM
 constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute needed
 
@@ -137,8 +151,13 @@ constexpr int route_min_blocks() {
 template <class Shape, class SpecT, bool kWide, bool kPackedTopK>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT, kWide>())
     route_kernel(const RouteParams p0) {
-  if (threadIdx.x == 0 && blockIdx.x < kWarmBlocks)
-    keep_loaded(routing::route_params_xor(p0), p0.num_tokens < 0);
+  if (threadIdx.x == 0) {
+    if (blockIdx.x < kWarmBlocks) keep_loaded(routing::route_params_xor(p0), p0.num_tokens < 0);
+    if (gridDim.x <= kPrefetchMaxBlocks) {
+      const std::int64_t block_rows = static_cast<std::int64_t>(blockDim.x >> 5) * Shape::kRowsPerWarp;
+      routing::prefetch_route_inputs(p0, blockIdx.x * block_rows, block_rows);
+    }
+  }
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   // Every later kernel only reads our outputs after its own pdl_wait(), which waits for this
   // whole grid: letting it be scheduled now is safe and hides its launch latency.
@@ -438,8 +457,11 @@ bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* stat
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.
 template <int kE, int kK>
 __global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p) {
-  if (threadIdx.x == 0 && blockIdx.x < kWarmBlocks)
-    keep_loaded(routing::route_params_xor(p), p.num_tokens < 0);
+  if (threadIdx.x == 0) {
+    if (blockIdx.x < kWarmBlocks) keep_loaded(routing::route_params_xor(p), p.num_tokens < 0);
+    if (gridDim.x <= kPrefetchMaxBlocks)
+      routing::prefetch_route_inputs(p, static_cast<std::int64_t>(blockIdx.x) * blockDim.x, blockDim.x);
+  }
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   pdl_launch_dependents();
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

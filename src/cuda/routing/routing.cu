@@ -295,10 +295,16 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
         Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
   } else if constexpr (Shape::S == 2) {
     // 129 <= E <= 256: DeepSeek-V3's group limit (groups of 32 experts, shift 3) with the shift fixed
-    // (route_warp's kGroupShift: butterflies unrolled, pair ranks), early bias first.
+    // (route_warp's kGroupShift: butterflies unrolled, pair ranks), early bias first; then
+    // DeepSeek-V2's rule (softmax, the chunk group path without lanes: groups of 20 experts, no post
+    // function), which ran the generic kernel before. Measured on the H200 (deepseek-v2, us, same
+    // call, three runs; session 28, bench/results ..._s28_deepseek_v2_spec_ab.md): fp32 T = 1 / 128
+    // / 1024 / 4096 / 16384 / 65536 2.62 / 2.76 / 3.20 / 6.02 / 18.2 / 64.2 against 3.30 / 3.55 / 3.82
+    // / 6.15 / 21.5 / 79.5, bf16 alike (65536: 66.4 against 85.5).
     return launch_route_up_to_512<
         Shape, kDtype, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true, 3>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>>(p, stream);
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>,
+        Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupChunks, PostFn::kNone>>(p, stream);
   } else {
     return launch_route_up_to_512<Shape, kDtype>(p, stream);
   }

@@ -333,6 +333,19 @@ __device__ __forceinline__ void place_expert(const LayoutParams& p, OneShared& s
   }
 }
 
+// The end of step 3, by thread 0 once the scan's total is known: offs[L] = padded_total, and block
+// 0's offsets[L] and totals (totals[2], the dropped count, only where `dropped`).
+__device__ __forceinline__ void place_totals(const LayoutParams& p, const OneShared& sh, int block, int L,
+                                             int padded_total, int num_tiles, int* offs, bool dropped) {
+  offs[L] = padded_total;
+  if (block == 0) {
+    p.offsets[L] = padded_total;
+    p.totals[0] = padded_total;
+    p.totals[1] = num_tiles;
+    if (dropped) p.totals[2] = sh.dropped;
+  }
+}
+
 // Steps 2 and 3 of the one-block form for L <= kScanThreads (kSplit below), after the ranking
 // barrier, with the block's counts already in block_counts[l] (shared-memory sums during the
 // ranking). Thread l < kScanThreads owns expert l: a warp scan of its tile count, the warps' sums
@@ -402,13 +415,7 @@ __device__ __forceinline__ void one_block_offsets(const LayoutParams& p, OneShar
   }
   if (tid == 0) {
     const int padded_total = num_tiles * M;  // < 2^31: the max_permuted_rows bound
-    offs[L] = padded_total;
-    if (block == 0) {
-      p.offsets[L] = padded_total;
-      p.totals[0] = padded_total;
-      p.totals[1] = num_tiles;
-      p.totals[2] = sh.dropped;
-    }
+    place_totals(p, sh, block, L, padded_total, num_tiles, offs, /*dropped=*/true);
   }
 }
 
@@ -682,15 +689,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       place_expert(p, sh, l, ends[l], tile_prefix, q, l0, l1, t0, t1, offs, ends, long_runs);
       tile_prefix += q;
     }
-    if (tid == 0) {
-      offs[L] = padded_total;
-      if (block == 0) {
-        p.offsets[L] = padded_total;
-        p.totals[0] = padded_total;
-        p.totals[1] = num_tiles;
-        if constexpr (!kCluster) p.totals[2] = sh.dropped;  // (the cluster form: its dropped warp)
-      }
-    }
+    // (The cluster form's dropped total comes from its dropped warp.)
+    if (tid == 0) place_totals(p, sh, block, L, padded_total, num_tiles, offs, /*dropped=*/!kCluster);
   }                 // kSplit
   __syncthreads();  // offs, ends, base complete (one-block form: its fills are ordered before what follows)
 

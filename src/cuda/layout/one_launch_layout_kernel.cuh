@@ -460,23 +460,6 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "n"(kScanThreads) : "memory");
     }
   }
-  if (tid == 0) {
-    // The parameters into the constant cache (launch.cuh): measured on the H200 (same call, two
-    // runs; session 24), E=256 K=8 T = 1024 / 4096 / 16384 4.76 / 5.85 / 7.81 -> 4.70 / 5.80 / 7.71 us,
-    // E=512 K=10 T = 4096 7.07 -> 6.98; T <= 256 unchanged.
-    warm_params(p, &sh.param_sink);
-    // The ids this block ranks (all, or its chunk) into L2 (launch.cuh's prefetch_l2).
-    const int chunk = kCluster ? cluster_chunk(N, CB) : N;
-    const int x0 = kCluster ? min(N, block * chunk) : 0;
-    prefetch_l2(static_cast<const Id*>(p.topk_ids) + x0,
-                static_cast<unsigned long long>(min(N, x0 + chunk) - x0) * sizeof(Id));
-    sh.dropped = 0;
-    if (kBits) sh.duplicates = 0;
-    sh.num_long_runs = 0;
-  }
-  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
-  pdl_wait();
-
   // The picks this block ranks: all of them, or chunk `block` (a multiple of 32 picks long).
   int c0 = 0;
   int c1 = N;
@@ -486,6 +469,21 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     c0 = min(N, block * chunk);
     c1 = min(N, c0 + chunk);
   }
+  if (tid == 0) {
+    // The parameters into the constant cache (launch.cuh): measured on the H200 (same call, two
+    // runs; session 24), E=256 K=8 T = 1024 / 4096 / 16384 4.76 / 5.85 / 7.81 -> 4.70 / 5.80 / 7.71 us,
+    // E=512 K=10 T = 4096 7.07 -> 6.98; T <= 256 unchanged.
+    warm_params(p, &sh.param_sink);
+    // The ids this block ranks into L2 (launch.cuh's prefetch_l2).
+    prefetch_l2(static_cast<const Id*>(p.topk_ids) + c0,
+                static_cast<unsigned long long>(c1 - c0) * sizeof(Id));
+    sh.dropped = 0;
+    if (kBits) sh.duplicates = 0;
+    sh.num_long_runs = 0;
+  }
+  pdl_launch_dependents();  // the next kernel may be scheduled now; it waits for all of us
+  pdl_wait();
+
   int* stage_row = stage_x + chunk;  // [chunk] (cluster form only)
   // t = x / K as a multiply-high (token_magic): exact for x * K < 2^32, true here (x < N <= 65536
   // and K <= N).

@@ -550,6 +550,29 @@ TEST(RoutingCuda, PrePostSweep) {
   }
 }
 
+// Llama 4's rule (no pre function, K = 1, post sigmoid) on whole-warp rows, which routing.cu serves
+// with specialised kernels on the plain top-K pass (rows of one stripe, up to 128 experts): every
+// whole-warp shape of one stripe (up to 64 experts at small T; 65-128 with buffers of 3, then 2, and
+// narrow rows past them), fp32 and bf16 logits, every input kind, scale 1 and 2.5; fp16 logits and a
+// bias, which those kernels do not take, alongside.
+TEST(RoutingCuda, SigmoidPostTopOneRows) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (int E : {16, 33, 64, 100, 128}) {
+    for (std::int64_t T : {1, 77, 1000, 5000, 40000}) {
+      for (Kind kind : kKinds) {
+        Case c;
+        c.config = make_config(E, 1, PreFn::kNone, PostFn::kSigmoid, (i / 2) % 2 ? 2.5f : 1.0f);
+        c.T = T;
+        c.logits_dtype = (i % 5 == 3) ? DType::kFloat16 : (i % 2) ? DType::kBFloat16 : DType::kFloat32;
+        c.bias = i % 7 == 6;
+        c.kind = kind;
+        if (!check_aligned(c, i)) return;
+      }
+    }
+  }
+}
+
 // Expert counts around every shape boundary of the kernel (route_warp.cuh's table), including
 // counts that are not multiples of 4 (scalar tail loads).
 TEST(RoutingCuda, ExpertCountBoundaries) {

@@ -323,6 +323,10 @@ inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 32767;
 // against 5.72 / 9.64 / 12.4 / 20.1 and 5.67 / 8.05 / 13.1 / 23.3 (bf16 65536 24.0 / 21.5 / 23.3),
 // gpt-oss-120b (K = 4) 3.99 / 6.68 / 11.6 / 21.4 against 4.65 / 7.68 / 10.2 / 17.0 and 4.33 / 6.24 /
 // 10.8 / 19.3. So the whole warp stays up to 32767 rows and W = 16 is not used.
+// The same form for 129-256 experts (16 lanes, 4 stripes, 2 rows a warp, packed buffers of depth 4;
+// 55-68 registers), for the narrow Specs' rules from 32768 rows, was slower: softmax-e256-k8 T = 65536
+// fp32 45.0 against 41.5 us, bf16 54.9 against 42.7 (same call, three runs; session 29,
+// bench/results ..._s29_specs_ab.md). Not adopted.
 inline constexpr std::int64_t kNarrowMinTokens128 = 32768;
 
 // Narrow segments take packed candidate buffers for K >= this (kNarrowPacked; as routing.cu's

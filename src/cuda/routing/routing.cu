@@ -410,7 +410,23 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
     // against the earlier forms: bench/results/README.md, session 11).
     // K = 1 keeps the plain top-K pass: measured on the H200, llama4-maverick (E=128, K=1, generic
     // kernel) at T = 16384 / 65536 took 7.92 / 26.75 us on the packed buffers against 6.77 / 22.03.
-    if (p.top_k < routing::dev::kPackedMinK) return launch_route<Shape, SpecGeneric, false, false>(p, stream);
+    // Rows of one stripe (up to 128 experts) with Llama 4's rule (no pre function, post sigmoid)
+    // take specialised kernels there (25-32 registers): ncu of the generic one (48 registers;
+    // llama4-maverick fp32 T = 65536, session 29, bench/results ..._s29_ncu_llama4.txt) put about a
+    // quarter of its instructions a row in run-time tests of the rule and the shared-memory sizing.
+    // Measured on the H200 (same call, three runs, us; ..._s29_specs_ab.md): llama4-maverick fp32
+    // T = 1 / 1024 / 4096 / 16384 / 65536 1.14 / 1.32 / 1.98 / 5.14 / 16.1 against 1.30 / 1.60 / 2.53 /
+    // 6.86 / 22.8, bf16 1.13 / 1.32 / 1.89 / 4.99 / 16.0 against 1.40 / 1.69 / 2.66 / 7.12 / 23.9.
+    if (p.top_k < routing::dev::kPackedMinK) {
+      if constexpr (Shape::S == 1) {
+        return launch_route_spec_packed<
+            Shape, false, false, Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSigmoid>,
+            Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSigmoid>, SpecGeneric>(
+            p, stream);
+      } else {
+        return launch_route<Shape, SpecGeneric, false, false>(p, stream);
+      }
+    }
     if (p.logits_dtype == static_cast<int>(DType::kFloat32))
       return launch_route_dtype<Shape, DType::kFloat32>(p, stream);
     if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
@@ -460,22 +476,25 @@ bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* stat
       Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, stream, status);
 }
 
-// One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks.
-template <int kE, int kK>
-__global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p) {
+// One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks; SpecT as for
+// route_kernel (launch_route_rows_for's Specs, or SpecGeneric).
+template <int kE, int kK, class SpecT>
+__global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p0) {
   if (threadIdx.x == 0) {
-    if (blockIdx.x < kWarmBlocks) keep_loaded(routing::route_params_xor(p), p.num_tokens < 0);
+    if (blockIdx.x < kWarmBlocks) keep_loaded(routing::route_params_xor(p0), p0.num_tokens < 0);
     if (gridDim.x <= kPrefetchMaxBlocks)
-      routing::prefetch_route_inputs(p, static_cast<std::int64_t>(blockIdx.x) * blockDim.x, blockDim.x);
+      routing::prefetch_route_inputs(p0, static_cast<std::int64_t>(blockIdx.x) * blockDim.x, blockDim.x);
   }
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   pdl_launch_dependents();
+  RouteParams p = p0;
+  SpecTraits<SpecT>::apply(p);
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= p.num_tokens) return;  // no barrier follows
   routing::route_row_thread<kE, kK>(p, row);
 }
 
-template <int kE, int kK>
+template <int kE, int kK, class SpecT>
 Status launch_route_rows(const RouteParams& p, cudaStream_t stream) {
   // Blocks of up to 256 threads, fewer where that spreads the rows over more SMs (as
   // launch_route does with warps).
@@ -487,18 +506,36 @@ Status launch_route_rows(const RouteParams& p, cudaStream_t stream) {
   const int threads = 32 * static_cast<int>(std::clamp<std::int64_t>(spread, 1, 8));
   const std::int64_t blocks = (p.num_tokens + threads - 1) / threads;
   if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
-  return launch_kernel("route: kernel launch", route_rows_kernel<kE, kK>, dim3(static_cast<unsigned>(blocks)),
-                       dim3(static_cast<unsigned>(threads)), 0, stream, /*pdl=*/true, p);
+  return launch_kernel("route: kernel launch", route_rows_kernel<kE, kK, SpecT>,
+                       dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
+                       /*pdl=*/true, p);
 }
 
-// route_rows for p (routing::rows_kernel_fits): the smallest kE >= E and kK >= K.
+// The route_rows kernel of the first of Specs... that matches p (the last one is SpecGeneric).
+template <int kE, int kK, class... Specs>
+Status launch_route_rows_spec(const RouteParams& p, cudaStream_t stream) {
+  Status status = Status::Ok();
+  ((SpecTraits<Specs>::matches(p) && (status = launch_route_rows<kE, kK, Specs>(p, stream), true)) || ...);
+  return status;
+}
+
+// route_rows for p (routing::rows_kernel_fits): the smallest kE >= E and kK >= K, with specialised
+// kernels for the rules of Mixtral (and Phi-3.5-MoE: none -> softmax) and DBRX (softmax ->
+// normalize), fp32 and bf16 logits. Measured on the H200 (same call, three runs, us, against the
+// generic route_rows; session 29, bench/results ..._s29_specs_ab.md): mixtral-8x7b fp32 T = 128 /
+// 1024 / 16384 / 65536 1.14 / 1.22 / 1.29 / 2.06 against 1.23 / 1.39 / 1.50 / 2.13, bf16 1.14 / 1.28 /
+// 1.29 / 1.81 against 1.31 / 1.39 / 1.57 / 2.09; dbrx (route_rows from 65536 rows) fp32 / bf16 4.80 /
+// 4.47 against 5.08 / 4.88.
 Status launch_route_rows_for(const RouteParams& p, cudaStream_t stream) {
   static_assert(routing::kRowsMaxExperts == 16 && routing::kRowsMaxTopK == 8, "the kernels below");
   const int e_cap = p.num_experts <= 8 ? 8 : 16;
   const int k_cap = p.top_k <= 2 ? 2 : p.top_k <= 4 ? 4 : 8;
   return dispatch_value<8, 16>("route rows: experts held", e_cap, [&](auto e) {
     return dispatch_value<2, 4, 8>("route rows: buffer depth", k_cap, [&](auto k) {
-      return launch_route_rows<decltype(e)::value, decltype(k)::value>(p, stream);
+      return launch_route_rows_spec<decltype(e)::value, decltype(k)::value,
+                                    NarrowNoneSoftmax<DType::kFloat32>, NarrowNoneSoftmax<DType::kBFloat16>,
+                                    NarrowSoftmaxNormalize<DType::kFloat32>,
+                                    NarrowSoftmaxNormalize<DType::kBFloat16>, SpecGeneric>(p, stream);
     });
   });
 }

@@ -233,14 +233,21 @@ Status launch_route_for(const RouteParams& p, cudaStream_t stream) {
   }
 }
 
+// Calls launch(static_cast<S*>(nullptr)) for the first S of Specs... that matches p, its Status into
+// *status, and returns true; false (nothing called) when none matches.
+template <class... Specs, class Launch>
+bool first_spec_match(const RouteParams& p, Status* status, const Launch& launch) {
+  return ((SpecTraits<Specs>::matches(p) && (*status = launch(static_cast<Specs*>(nullptr)), true)) || ...);
+}
+
 // Launches the first of the kernels Specs... whose Spec matches p into *status and returns true;
 // false (nothing launched) when none matches. kWide: the wide-row kernels; kPacked: as for
 // launch_route_for.
 template <class Shape, bool kWide, bool kPacked, class... Specs>
 bool launch_first_match_packed(const RouteParams& p, cudaStream_t stream, Status* status) {
-  return ((SpecTraits<Specs>::matches(p) &&
-           (*status = launch_route_for<Shape, Specs, kWide, kPacked>(p, stream), true)) ||
-          ...);
+  return first_spec_match<Specs...>(p, status, [&](auto* spec) {
+    return launch_route_for<Shape, std::remove_pointer_t<decltype(spec)>, kWide, kPacked>(p, stream);
+  });
 }
 template <class Shape, bool kWide, class... Specs>
 bool launch_first_match(const RouteParams& p, cudaStream_t stream, Status* status) {
@@ -515,7 +522,9 @@ Status launch_route_rows(const RouteParams& p, cudaStream_t stream) {
 template <int kE, int kK, class... Specs>
 Status launch_route_rows_spec(const RouteParams& p, cudaStream_t stream) {
   Status status = Status::Ok();
-  ((SpecTraits<Specs>::matches(p) && (status = launch_route_rows<kE, kK, Specs>(p, stream), true)) || ...);
+  first_spec_match<Specs...>(p, &status, [&](auto* spec) {
+    return launch_route_rows<kE, kK, std::remove_pointer_t<decltype(spec)>>(p, stream);
+  });
   return status;
 }
 

@@ -552,9 +552,10 @@ TEST(RoutingCuda, PrePostSweep) {
 
 // Llama 4's rule (no pre function, K = 1, post sigmoid) on whole-warp rows, which routing.cu serves
 // with specialised kernels on the plain top-K pass (rows of one stripe, up to 128 experts): every
-// whole-warp shape of one stripe (up to 64 experts at small T; 65-128 with buffers of 3, then 2, and
-// narrow rows past them), fp32 and bf16 logits, every input kind, scale 1 and 2.5; fp16 logits and a
-// bias, which those kernels do not take, alongside.
+// whole-warp shape of one stripe (up to 64 experts at small T, 65-128 with buffers of 3, then 2; past
+// the small-T bounds up to 64 experts take narrow segments or route_rows, the generic kernels), fp32
+// and bf16 logits, every input kind, scale 1 and 2.5; fp16 logits and a bias, which those kernels do
+// not take, alongside.
 TEST(RoutingCuda, SigmoidPostTopOneRows) {
   SY_SKIP_WITHOUT_GPU();
   int i = 0;

@@ -1116,6 +1116,86 @@ TEST(RoutingCuda, StreamedNarrowRows) {
   }
 }
 
+// Staged rows (route_staged.cuh: one thread a row, sigmoid + fp32 bias, E % 32 == 0 up to 512,
+// K <= 8, no group limit or groups of 32 experts) at every T under SWITCHYARD_ROUTE_STAGED=1: every
+// input kind (near ties and hidden-in-bucket rows send rows to the exact redo; special values to the
+// slow sigmoid), the three group rules with 1-4 kept groups, fp32 / bf16 logits, strides and offsets
+// that keep rows on 16 bytes, row counts that end inside a warp; then the requests the kernels do
+// not serve (other kernels under the knob), and the default from kStagedMinTokens rows.
+TEST(RoutingCuda, StagedRows) {
+  SY_SKIP_WITHOUT_GPU();
+  const Kind kinds[] = {Kind::kNearTied, Kind::kHiddenInBucket, Kind::kNormal,   Kind::kTied,
+                        Kind::kSpecial,  Kind::kLaneHeavy,      Kind::kNegative, Kind::kWide,
+                        Kind::kDryBuffers};
+  const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};
+  int i = 0;
+  {
+    const ScopedEnv knob("SWITCHYARD_ROUTE_STAGED", "1");
+    for (int E : {32, 64, 160, 256, 384, 512}) {
+      for (int K : {1, 2, 5, 8}) {
+        for (int rep = 0; rep < 6; ++rep) {
+          Case c;
+          c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+          if (rep % 3 == 1) c.config.post = (i % 2) ? PostFn::kSoftmax : PostFn::kNone;
+          const int n_group = E / 32;
+          if (rep % 2 == 0 && n_group >= 2) {
+            const GroupRule rules[] = {GroupRule::kTop2Sum, GroupRule::kMax, GroupRule::kTopKSum};
+            c.config.group_rule = rules[(i / 2) % 3];
+            c.config.n_group = n_group;
+            c.config.topk_group = 1 + (i / 6) % std::min(4, n_group - 1);
+            const int per_group = K / c.config.topk_group;
+            if (c.config.group_rule == GroupRule::kTopKSum && (per_group < 1 || per_group > 2))
+              c.config.group_rule = GroupRule::kTop2Sum;
+          }
+          c.bias = true;
+          c.T = ts[i % 6];
+          c.kind = kinds[i % 9];
+          c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+          c.extra_stride = (i % 5 == 3) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
+          c.base_offset = (i % 7 == 4) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
+          c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
+          c.weights_dtype = (i % 5 == 2) ? DType::kBFloat16 : DType::kFloat32;
+          ++i;
+          check_case(c);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+    // Not served: fp16 logits, rows off 16 bytes, E % 32 != 0, K > 8, 5 kept groups, groups of 16.
+    for (int v = 0; v < 6; ++v) {
+      Case c;
+      c.config = make_config(v == 2 ? 200 : 256, v == 3 ? 9 : 8, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+      c.bias = true;
+      c.T = 301;
+      c.kind = kinds[i % 9];
+      if (v == 0) c.logits_dtype = DType::kFloat16;
+      if (v == 1) c.extra_stride = 2;
+      if (v >= 4) {
+        c.config.group_rule = GroupRule::kTop2Sum;
+        c.config.n_group = v == 4 ? 8 : 16;
+        c.config.topk_group = v == 4 ? 5 : 4;
+      }
+      ++i;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+  // The default: deepseek-v3 and kimi-k2 at kStagedMinTokens (32768) rows.
+  for (const char* name : {"deepseek-v3", "kimi-k2"}) {
+    ModelPreset m;
+    ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
+    Case c;
+    c.config = m.routing;
+    c.bias = true;
+    c.T = 32768;
+    c.kind = kinds[i % 9];
+    c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+    ++i;
+    check_case(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // A route call captured in a CUDA graph on a non-default stream, replayed with new inputs copied
 // into the same buffers; each replay is compared with the CPU oracle.
 TEST(RoutingCuda, GraphReplayWithNewInputs) {

@@ -83,6 +83,75 @@ __device__ __forceinline__ void store_pack(T* dst, const T (&x)[N]) {
   }
 }
 
+// Steps 5 (its second half) and 6 of a row routed in one thread (route_row_thread, route_staged.cuh):
+// the weights of the picks from their p (finish_row's arithmetic, one thread holding every pick; the
+// post function sums in k order), then the outputs. fin[k]: pick k < K has a finite selection score;
+// pv[k]: its p; be: the picks' experts in rank order.
+template <int kK>
+__device__ __forceinline__ void store_thread_row(const RouteParams& p, std::int64_t row, int K,
+                                                 const bool (&fin)[kK], const float (&pv)[kK],
+                                                 const int (&be)[kK]) {
+  using namespace dev;
+  float w[kK];
+  float term[kK];
+  float sum = 0.0f;  // k order; a non-finite pick adds +0, which is exact (sum is never -0)
+  if (p.post == PostFn::kSoftmax) {
+    float m = neg_inf();
+#pragma unroll
+    for (int k = 0; k < kK; ++k) m = fin[k] ? fmaxf(m, pv[k]) : m;
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+      term[k] = fin[k] ? exp_any(__fadd_rn(pv[k], -m)) : 0.0f;
+      sum = __fadd_rn(sum, term[k]);
+    }
+  } else if (p.post == PostFn::kNormalize) {
+#pragma unroll
+    for (int k = 0; k < kK; ++k) sum = __fadd_rn(sum, fin[k] ? pv[k] : 0.0f);
+  }
+  post_weights_from_sum<kK>(p.post, fin, pv, term, sum, p.scale, w);
+
+  // 6. Outputs: one or two 8- / 16-byte stores each for int32 ids and fp32 weights when K == kK and
+  // the arrays are aligned (a row's K values are then aligned too); else one store per value.
+  const std::int64_t out = row * K;
+  constexpr unsigned kPackBytes = 4 * kK < 16 ? 4 * kK : 16;
+  const auto aligned = [&](const void* ptr) {
+    return ptr == nullptr || reinterpret_cast<std::uintptr_t>(ptr) % kPackBytes == 0;
+  };
+  if (K == kK && !p.ids_int64 && !p.weights_bf16 && aligned(p.topk_ids) && aligned(p.topk_weights)) {
+    if (p.topk_ids != nullptr) store_pack<kK>(static_cast<std::int32_t*>(p.topk_ids) + out, be);
+    if (p.topk_weights != nullptr) store_pack<kK>(static_cast<float*>(p.topk_weights) + out, w);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kK; ++k) {
+    if (k >= K) break;  // uniform
+    store_pick(p, out + k, be[k], w[k]);
+  }
+}
+
+// Steps 5 and 6 of route_row_thread from the picks' keys bk and experts be (rank order): p of a pick
+// is its key's score, or recomputed from the logit at row_ptr where the key does not give it (bias;
+// -0 with no pre function); sm: the row's softmax constants (pre softmax only).
+template <int kK>
+__device__ __forceinline__ void finish_thread_row(const RouteParams& p, std::int64_t row, int K,
+                                                  const std::uint32_t (&bk)[kK], const int (&be)[kK],
+                                                  const void* row_ptr, const dev::SoftmaxRow& sm) {
+  using namespace dev;
+  bool fin[kK];
+  float pv[kK];
+#pragma unroll
+  for (int k = 0; k < kK; ++k) {
+    fin[k] = k < K && key_finite(bk[k]);
+    pv[k] = key_score(bk[k]);
+    const bool reload = p.bias != nullptr || (p.pre == PreFn::kNone && bk[k] == kZeroKey);
+    if (fin[k] && reload) {
+      const float s = load_one(row_ptr, p.logits_dtype, be[k]);
+      pv[k] = p.pre == PreFn::kSoftmax ? softmax_pre(s, sm) : elementwise_pre(p.pre, s);
+    }
+  }
+  store_thread_row<kK>(p, row, K, fin, pv, be);
+}
+
 // Routes row `row` (< p.num_tokens) of p in the calling thread. kE: experts held (a multiple of 4,
 // E <= kE, kE / 4 a power of two); kK: buffer depth (K <= kK).
 template <int kE, int kK>
@@ -140,54 +209,8 @@ __device__ __forceinline__ void route_row_thread(const RouteParams& p, std::int6
 #pragma unroll
   for (int j = 0; j < kE; ++j) buffer_insert<kK>(bk, be, unused_next, key[j], j);
 
-  // 5. Weights (finish_row's arithmetic, one lane holding every pick).
-  bool fin[kK];
-  float pv[kK];
-#pragma unroll
-  for (int k = 0; k < kK; ++k) {
-    fin[k] = k < K && key_finite(bk[k]);
-    pv[k] = key_score(bk[k]);
-    const bool reload = p.bias != nullptr || (p.pre == PreFn::kNone && bk[k] == kZeroKey);
-    if (fin[k] && reload) {
-      const float s = load_one(row_ptr, p.logits_dtype, be[k]);
-      pv[k] = p.pre == PreFn::kSoftmax ? softmax_pre(s, sm) : elementwise_pre(p.pre, s);
-    }
-  }
-  float w[kK];
-  float term[kK];
-  float sum = 0.0f;  // k order; a non-finite pick adds +0, which is exact (sum is never -0)
-  if (p.post == PostFn::kSoftmax) {
-    float m = neg_inf();
-#pragma unroll
-    for (int k = 0; k < kK; ++k) m = fin[k] ? fmaxf(m, pv[k]) : m;
-#pragma unroll
-    for (int k = 0; k < kK; ++k) {
-      term[k] = fin[k] ? exp_any(__fadd_rn(pv[k], -m)) : 0.0f;
-      sum = __fadd_rn(sum, term[k]);
-    }
-  } else if (p.post == PostFn::kNormalize) {
-#pragma unroll
-    for (int k = 0; k < kK; ++k) sum = __fadd_rn(sum, fin[k] ? pv[k] : 0.0f);
-  }
-  post_weights_from_sum<kK>(p.post, fin, pv, term, sum, p.scale, w);
-
-  // 6. Outputs: one or two 8- / 16-byte stores each for int32 ids and fp32 weights when K == kK and
-  // the arrays are aligned (a row's K values are then aligned too); else one store per value.
-  const std::int64_t out = row * K;
-  constexpr unsigned kPackBytes = 4 * kK < 16 ? 4 * kK : 16;
-  const auto aligned = [&](const void* ptr) {
-    return ptr == nullptr || reinterpret_cast<std::uintptr_t>(ptr) % kPackBytes == 0;
-  };
-  if (K == kK && !p.ids_int64 && !p.weights_bf16 && aligned(p.topk_ids) && aligned(p.topk_weights)) {
-    if (p.topk_ids != nullptr) store_pack<kK>(static_cast<std::int32_t*>(p.topk_ids) + out, be);
-    if (p.topk_weights != nullptr) store_pack<kK>(static_cast<float*>(p.topk_weights) + out, w);
-    return;
-  }
-#pragma unroll
-  for (int k = 0; k < kK; ++k) {
-    if (k >= K) break;  // uniform
-    store_pick(p, out + k, be[k], w[k]);
-  }
+  // 5-6. Weights and outputs.
+  finish_thread_row<kK>(p, row, K, bk, be, row_ptr, sm);
 }
 
 }  // namespace switchyard::cuda::routing

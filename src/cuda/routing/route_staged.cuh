@@ -1,0 +1,392 @@
+// Staged rows: one thread per row for sigmoid + bias rows at large T (DESIGN.md section 2), the
+// rule of DeepSeek-V3 (groups of 32 experts), Kimi-K2 and GLM-4.5. Same contract and bits as
+// route_warp (route_warp.cuh), whose device arithmetic it calls.
+//
+// Why: route_warp gives a row a whole warp. At T = 65536 it is bound by instruction issue, and
+// most of a row's ~830 warp instructions (deepseek-v3, ncu, session 16) serve only that row: the
+// group limit, the K top-K rounds, the weights. Here every warp instruction serves 32 rows, and a
+// row's work is the per-expert arithmetic (the oracle's exp and division, ~20 instructions) and a
+// sorting network (~10 per expert). Rows come through shared memory: a warp stages 32 experts of
+// its 32 rows at a time with cp.async (coalesced 128-byte row pieces, double-buffered), and each
+// lane reads its own row from there (rows padded by 16 bytes: conflict-free 16-byte reads). A
+// lane's loads straight from global memory would touch 32 lines per instruction. (An earlier
+// thread-per-row kernel staged 32 whole rows per warp, which left 3-7 warps per SM; session 13.)
+//
+// A row, in one thread, chunk by chunk (32 experts; E % 32 == 0):
+//   1. p = sigmoid(logit) (exact: the fast path when every |logit| of the chunk is <= 86.5), the
+//      selection key of q = canonical(p + bias) (route_warp's ordered 32-bit keys), and its packed
+//      key: the key with its low kIndexBits bits replaced by the inverted expert index, so that
+//      packed keys order by (bucket desc, expert asc), the oracle's order unless two keys share a
+//      bucket (see 4).
+//   2. Group limit (groups of exactly one chunk): the group's score from the two largest full keys
+//      (a max / second-max tree: exact, as the oracle's sum of the two best q), and the best
+//      topk_group groups so far, each with its top 8 packed keys, kept in rank order (score desc,
+//      group asc; later groups win only when strictly better).
+//   3. The chunk's top 8 packed keys and the largest one left out ("ninth"): four 8-sorters (19
+//      comparators) and three bitonic top-8 merges, whose losers' maximum is the ninth. Without a
+//      group limit they merge into the row's running top 8.
+//   4. After the last chunk (with a group limit: the kept groups' lists merged), the K best packed
+//      keys. Exact unless the K-th pick shares its bucket with the best key left out (the K+1-th,
+//      or the ninth when K = 8): then every non-pick's key is below every pick's. Otherwise (rare:
+//      near ties within 2^-14 or so) the row is redone exactly from the logits in global memory
+//      (staged_exact_picks). The picks' p and full keys are recomputed from their logits (p is
+//      needed for the weights anyway), and picks of one bucket are put in key order.
+//   5. Weights and outputs: route_rows.cuh's store_thread_row.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/launch.cuh"
+#include "cuda/routing/route_rows.cuh"
+#include "cuda/routing/route_warp.cuh"
+
+namespace switchyard::cuda::routing {
+
+inline constexpr int kStagedChunk = 32;  // experts a chunk (and a group with a group limit)
+inline constexpr int kStagedMaxExperts = 512;
+inline constexpr int kStagedTopK = 8;       // the lists' depth: K <= 8
+inline constexpr int kStagedMaxGroups = 4;  // topk_group <= 4
+inline constexpr int kStagedWarps = 4;      // warps a block
+// Rows from which the launcher takes the staged kernels for the rules they serve (measured: routing.cu).
+inline constexpr std::int64_t kStagedMinTokens = 32768;
+
+// Whether the staged kernels can serve p: sigmoid with an fp32 bias (aligned), fp32 or bf16 logits
+// whose rows start on 16 bytes, E a multiple of 32 up to 512, K <= 8, no group limit or groups of 32
+// experts (score of at most two, topk_group <= 4).
+inline bool staged_fits(const RouteParams& p) {
+  const bool f32 = p.logits_dtype == static_cast<int>(DType::kFloat32);
+  if (!f32 && p.logits_dtype != static_cast<int>(DType::kBFloat16)) return false;
+  const std::int64_t pitch = p.row_stride * (f32 ? 4 : 2);
+  if (reinterpret_cast<std::uintptr_t>(p.logits) % 16 != 0 || pitch % 16 != 0) return false;
+  if (p.pre != PreFn::kSigmoid || p.bias == nullptr || p.bias_dtype != static_cast<int>(DType::kFloat32) ||
+      !p.bias_vec)
+    return false;
+  if (p.num_experts % kStagedChunk != 0 || p.num_experts > kStagedMaxExperts) return false;
+  if (p.top_k < 1 || p.top_k > kStagedTopK) return false;
+  if (p.group_path == kGroupNone) return true;
+  return p.group_path == kGroupChunks && p.group_size == kStagedChunk && p.topk_group <= kStagedMaxGroups &&
+         p.group_take <= 2;
+}
+
+// SWITCHYARD_ROUTE_STAGED=0|1 (environment, read once per call by route()): 0 never takes the staged
+// kernels, 1 takes them wherever they fit (any T); unset or other values: from kStagedMinTokens rows
+// on. A testing and A/B knob.
+enum class StagedChoice { kAuto, kNever, kAlways };
+inline StagedChoice staged_knob() {
+  const char* v = std::getenv("SWITCHYARD_ROUTE_STAGED");
+  if (v == nullptr) return StagedChoice::kAuto;
+  if (std::strcmp(v, "0") == 0) return StagedChoice::kNever;
+  if (std::strcmp(v, "1") == 0) return StagedChoice::kAlways;
+  return StagedChoice::kAuto;
+}
+inline bool use_staged(const RouteParams& p, StagedChoice choice) {
+  if (choice == StagedChoice::kNever || !staged_fits(p)) return false;
+  return choice == StagedChoice::kAlways || p.num_tokens >= kStagedMinTokens;
+}
+
+// Shared memory of the staged kernels: the bias (E floats), then per warp two stages of 32 rows'
+// chunks, each row piece padded to kPitch bytes.
+template <DType kDtype>
+struct StagedLayout {
+  static constexpr int kElem = kDtype == DType::kFloat32 ? 4 : 2;
+  static constexpr int kChunkBytes = kStagedChunk * kElem;
+  static constexpr int kPitch = kChunkBytes + 16;  // lanes 8 apart in distinct banks
+  static constexpr int kStageBytes = 32 * kPitch;
+  static constexpr int kPieces = kChunkBytes / 16;  // 16-byte copies a lane issues per chunk
+  static constexpr int kRowsPerCopy = 32 / kPieces;
+  static constexpr std::size_t kBiasBytes = std::size_t{4} * kStagedMaxExperts;
+  static constexpr std::size_t kWarpBytes = std::size_t{2} * kStageBytes;
+  static constexpr std::size_t kBlockBytes = kBiasBytes + kStagedWarps * kWarpBytes;
+};
+
+namespace dev {
+
+__device__ __forceinline__ void cp_async16(unsigned smem_addr, const void* gptr) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gptr) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most one committed group of the calling thread is pending.
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+// Descending compare-exchange.
+__device__ __forceinline__ void cx(std::uint32_t& a, std::uint32_t& b) {
+  const std::uint32_t hi = max(a, b);
+  b = min(a, b);
+  a = hi;
+}
+// x[0 .. 8) sorted descending: the 19-comparator network (checked on all 0-1 inputs).
+__device__ __forceinline__ void sort8(std::uint32_t* x) {
+  cx(x[0], x[2]), cx(x[1], x[3]), cx(x[4], x[6]), cx(x[5], x[7]);
+  cx(x[0], x[4]), cx(x[1], x[5]), cx(x[2], x[6]), cx(x[3], x[7]);
+  cx(x[0], x[1]), cx(x[2], x[3]), cx(x[4], x[5]), cx(x[6], x[7]);
+  cx(x[2], x[4]), cx(x[3], x[5]);
+  cx(x[1], x[4]), cx(x[3], x[6]);
+  cx(x[1], x[2]), cx(x[3], x[4]), cx(x[5], x[6]);
+}
+// a := the top 8 of a and b (both sorted descending), sorted; na := the largest key of both left out
+// (na, nb: those left out of a and b before). max(a[i], b[7 - i]) is bitonic; the rest are the losers.
+__device__ __forceinline__ void merge8(std::uint32_t* a, std::uint32_t& na, const std::uint32_t* b,
+                                       std::uint32_t nb) {
+  std::uint32_t lo[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    lo[i] = min(a[i], b[7 - i]);
+    a[i] = max(a[i], b[7 - i]);
+  }
+  na = max(max(max(na, nb), max(max(lo[0], lo[1]), max(lo[2], lo[3]))), max(max(lo[4], lo[5]), max(lo[6], lo[7])));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) cx(a[i], a[i + 4]);
+  cx(a[0], a[2]), cx(a[1], a[3]), cx(a[4], a[6]), cx(a[5], a[7]);
+  cx(a[0], a[1]), cx(a[2], a[3]), cx(a[4], a[5]), cx(a[6], a[7]);
+}
+
+// The exact picks of a row whose packed selection was not (rare): the oracle's top K over the experts
+// of the groups in `allowed` (bit g: group g of 32 experts), from the logits in global memory and the
+// bias in shared memory, in (key desc, expert asc) order.
+__device__ __noinline__ void staged_exact_picks(const RouteParams& p, const void* row_ptr, const float* bias,
+                                                unsigned allowed, int* picks) {
+  std::uint32_t bk[kStagedTopK];
+  int be[kStagedTopK];
+  for (int d = 0; d < kStagedTopK; ++d) {
+    bk[d] = 0u;
+    be[d] = 0;
+  }
+  std::uint32_t unused_next = 0u;
+  for (int e = 0; e < p.num_experts; ++e) {
+    if (((allowed >> (e / kStagedChunk)) & 1u) == 0) continue;
+    const float q = __fadd_rn(sigmoid_pre(load_one(row_ptr, p.logits_dtype, e)), bias[e]);
+    buffer_insert<kStagedTopK>(bk, be, unused_next, canonical_key(q), e);
+  }
+  for (int d = 0; d < kStagedTopK; ++d) picks[d] = be[d];
+}
+
+}  // namespace dev
+
+// Routes the 32 rows first_row .. first_row + 31 of p (lane l: row first_row + l; rows >= T read row
+// T - 1 and write nothing) in the calling warp (all 32 lanes, converged). stages: the warp's
+// StagedLayout::kWarpBytes of shared memory (16-byte aligned); bias: the E bias values in shared
+// memory. kGroups: groups of 32 experts (staged_fits); else no group limit.
+template <DType kDtype, bool kGroups>
+__device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int64_t first_row,
+                                                  unsigned char* stages, const float* bias) {
+  using namespace dev;
+  using L = StagedLayout<kDtype>;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int E = p.num_experts;
+  const int K = p.top_k;
+  const int chunks = E / kStagedChunk;
+  const std::int64_t pitch = p.row_stride * L::kElem;  // bytes
+  const auto* logits = static_cast<const unsigned char*>(p.logits);
+  const std::int64_t last = p.num_tokens - 1;
+  const std::int64_t row = first_row + lane;
+  const unsigned char* row_ptr = logits + (row < last ? row : last) * pitch;
+
+  // The warp's copies of chunk c into stage s: lane l copies piece l % kPieces of rows
+  // kRowsPerCopy * i + l / kPieces.
+  const unsigned stage_base = static_cast<unsigned>(__cvta_generic_to_shared(stages));
+  const auto issue = [&](int c, int s) {
+#pragma unroll
+    for (int i = 0; i < L::kPieces; ++i) {
+      const int r = L::kRowsPerCopy * i + lane / L::kPieces;
+      const std::int64_t g = first_row + r < last ? first_row + r : last;
+      const int piece = lane % L::kPieces;
+      cp_async16(stage_base + s * L::kStageBytes + r * L::kPitch + 16 * piece,
+                 logits + g * pitch + c * L::kChunkBytes + 16 * piece);
+    }
+  };
+
+  // Index bits of the packed keys: enough for E - 1.
+  int bits = 1;
+  while ((1 << bits) < E) ++bits;
+  const std::uint32_t index_mask = (1u << bits) - 1u;
+
+  // Without a group limit: the row's running top 8 (0: empty) and the largest key left out.
+  std::uint32_t run[kStagedTopK];
+  std::uint32_t run_out = 0u;
+  // With one: the best topk_group groups so far (slot j: score, group, top 8, largest left out).
+  float gscore[kStagedMaxGroups];
+  int gid[kStagedMaxGroups];
+  std::uint32_t glist[kStagedMaxGroups][kStagedTopK];
+  std::uint32_t gout[kStagedMaxGroups];
+#pragma unroll
+  for (int i = 0; i < kStagedTopK; ++i) run[i] = 0u;
+  if constexpr (kGroups) {
+#pragma unroll
+    for (int j = 0; j < kStagedMaxGroups; ++j) {
+      gscore[j] = neg_inf();
+      gid[j] = 0;
+      gout[j] = 0u;
+#pragma unroll
+      for (int i = 0; i < kStagedTopK; ++i) glist[j][i] = 0u;
+    }
+  }
+
+  issue(0, 0);
+  cp_async_commit();
+  for (int c = 0; c < chunks; ++c) {
+    if (c + 1 < chunks) issue(c + 1, (c + 1) & 1);
+    cp_async_commit();  // possibly empty: keeps "all but the newest group" = chunk c
+    cp_async_wait_one();
+    __syncwarp();
+    // 1. The chunk's logits (own row) and bias.
+    float v[kStagedChunk];
+    const unsigned char* mine = stages + (c & 1) * L::kStageBytes + lane * L::kPitch;
+#pragma unroll
+    for (int m = 0; m < L::kPieces; ++m) {
+      const uint4 u = *reinterpret_cast<const uint4*>(mine + 16 * m);
+      const unsigned w[4] = {u.x, u.y, u.z, u.w};
+      if constexpr (kDtype == DType::kFloat32) {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v[4 * m + t] = __uint_as_float(w[t]);
+      } else {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          v[8 * m + 2 * t] = __uint_as_float(w[t] << 16);
+          v[8 * m + 2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
+        }
+      }
+    }
+    __syncwarp();  // every lane has read stage c & 1 before chunk c + 2 is copied into it
+    float mx = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
+    if (mx <= 86.5f) {
+#pragma unroll
+      for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_fast(v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_pre(v[j]);
+    }
+    std::uint32_t key[kStagedChunk];
+    const float* bc = bias + c * kStagedChunk;
+#pragma unroll
+    for (int m = 0; m < kStagedChunk / 4; ++m) {
+      const float4 b = *reinterpret_cast<const float4*>(bc + 4 * m);
+      key[4 * m] = canonical_key(__fadd_rn(v[4 * m], b.x));
+      key[4 * m + 1] = canonical_key(__fadd_rn(v[4 * m + 1], b.y));
+      key[4 * m + 2] = canonical_key(__fadd_rn(v[4 * m + 2], b.z));
+      key[4 * m + 3] = canonical_key(__fadd_rn(v[4 * m + 3], b.w));
+    }
+    // 2. The group's score: its two largest full keys (with multiplicity), by a tree.
+    float score = 0.0f;
+    if constexpr (kGroups) {
+      std::uint32_t hi[kStagedChunk / 2], lo[kStagedChunk / 2];
+#pragma unroll
+      for (int i = 0; i < kStagedChunk / 2; ++i) {
+        hi[i] = max(key[2 * i], key[2 * i + 1]);
+        lo[i] = min(key[2 * i], key[2 * i + 1]);
+      }
+#pragma unroll
+      for (int n = kStagedChunk / 4; n >= 1; n /= 2) {
+#pragma unroll
+        for (int i = 0; i < n; ++i) {
+          const std::uint32_t h = max(hi[i], hi[i + n]);
+          lo[i] = max(min(hi[i], hi[i + n]), max(lo[i], lo[i + n]));
+          hi[i] = h;
+        }
+      }
+      const float s1 = key_score(hi[0]);
+      score = p.group_take == 1 ? s1 : fmaxf(__fadd_rn(s1, key_score(lo[0])), neg_inf());
+    }
+    // 3. Packed keys, the chunk's top 8 and the largest left out.
+    const std::uint32_t inv_base = index_mask - static_cast<std::uint32_t>(c * kStagedChunk);
+#pragma unroll
+    for (int j = 0; j < kStagedChunk; ++j) key[j] = (key[j] & ~index_mask) | (inv_base - j);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) sort8(key + 8 * q);
+    std::uint32_t out0 = 0u, out2 = 0u;
+    merge8(key, out0, key + 8, 0u);
+    merge8(key + 16, out2, key + 24, 0u);
+    merge8(key, out0, key + 16, out2);
+    if constexpr (kGroups) {
+      // Insert group c into the kept groups (rank order; slots past c are empty and lose).
+      bool beats[kStagedMaxGroups];
+#pragma unroll
+      for (int j = 0; j < kStagedMaxGroups; ++j) beats[j] = j >= c || score > gscore[j];
+#pragma unroll
+      for (int j = kStagedMaxGroups - 1; j >= 0; --j) {
+        const bool from_prev = j > 0 && beats[j - 1];
+        const bool from_new = beats[j] && !from_prev;
+        const int src = j > 0 ? j - 1 : 0;
+        gscore[j] = from_prev ? gscore[src] : from_new ? score : gscore[j];
+        gid[j] = from_prev ? gid[src] : from_new ? c : gid[j];
+        gout[j] = from_prev ? gout[src] : from_new ? out0 : gout[j];
+#pragma unroll
+        for (int i = 0; i < kStagedTopK; ++i) glist[j][i] = from_prev ? glist[src][i] : from_new ? key[i] : glist[j][i];
+      }
+    } else {
+      merge8(run, run_out, key, out0);
+    }
+  }
+
+  // 4. The K best packed keys and the exactness test.
+  unsigned allowed = 0xffffffffu;
+  if constexpr (kGroups) {
+#pragma unroll
+    for (int i = 0; i < kStagedTopK; ++i) run[i] = glist[0][i];
+    run_out = gout[0];
+    allowed = 1u << gid[0];
+#pragma unroll
+    for (int j = 1; j < kStagedMaxGroups; ++j) {
+      if (j < p.topk_group) {
+        merge8(run, run_out, glist[j], gout[j]);
+        allowed |= 1u << gid[j];
+      }
+    }
+  }
+  std::uint32_t kth = run[0], after = run_out;
+#pragma unroll
+  for (int k = 1; k < kStagedTopK; ++k) {
+    if (k == K - 1) kth = run[k];
+    if (k == K) after = run[k];
+  }
+  int e[kStagedTopK];
+#pragma unroll
+  for (int k = 0; k < kStagedTopK; ++k) e[k] = static_cast<int>(index_mask - (run[k] & index_mask));
+  if (((kth ^ after) & ~index_mask) == 0) {
+    int exact[kStagedTopK];  // through memory: keeps e in registers
+    staged_exact_picks(p, row_ptr, bias, allowed, exact);
+#pragma unroll
+    for (int k = 0; k < kStagedTopK; ++k) e[k] = exact[k];
+  }
+
+  // The picks' p and full keys from their logits; picks of one bucket into key order.
+  float pv[kStagedTopK];
+  std::uint32_t fk[kStagedTopK];
+  bool sorted = true;
+#pragma unroll
+  for (int k = 0; k < kStagedTopK; ++k) {
+    pv[k] = sigmoid_pre(load_one(row_ptr, static_cast<int>(kDtype), e[k]));
+    fk[k] = canonical_key(__fadd_rn(pv[k], bias[e[k]]));
+    if (k > 0 && k < K && fk[k] > fk[k - 1]) sorted = false;
+  }
+  if (!sorted) {
+    // Odd-even transposition sort of the K picks by (key desc, expert asc), static indices: rare.
+#pragma unroll 1
+    for (int pass = 0; pass < kStagedTopK; ++pass) {
+#pragma unroll
+      for (int k = 0; k + 1 < kStagedTopK; ++k) {
+        const bool swap = (k & 1) == (pass & 1) && k + 1 < K &&
+                          (fk[k + 1] > fk[k] || (fk[k + 1] == fk[k] && e[k + 1] < e[k]));
+        const std::uint32_t tk = fk[k];
+        fk[k] = swap ? fk[k + 1] : fk[k];
+        fk[k + 1] = swap ? tk : fk[k + 1];
+        const int te = e[k];
+        e[k] = swap ? e[k + 1] : e[k];
+        e[k + 1] = swap ? te : e[k + 1];
+        const float tp = pv[k];
+        pv[k] = swap ? pv[k + 1] : pv[k];
+        pv[k + 1] = swap ? tp : pv[k + 1];
+      }
+    }
+  }
+  if (row > last) return;
+  bool fin[kStagedTopK];
+#pragma unroll
+  for (int k = 0; k < kStagedTopK; ++k) fin[k] = k < K && key_finite(fk[k]);
+  store_thread_row<kStagedTopK>(p, row, K, fin, pv, e);
+}
+
+}  // namespace switchyard::cuda::routing

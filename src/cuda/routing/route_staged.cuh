@@ -28,9 +28,12 @@
 //   4. After the last chunk (with a group limit: the kept groups' lists merged), the K best packed
 //      keys. Exact unless the K-th pick shares its bucket with the best key left out (the K+1-th,
 //      or the ninth when K = 8): then every non-pick's key is below every pick's. Otherwise (rare:
-//      near ties within 2^-14 or so) the row is redone exactly from the logits in global memory
-//      (staged_exact_picks). The picks' p and full keys are recomputed from their logits (p is
-//      needed for the weights anyway), and picks of one bucket are put in key order.
+//      keys within 2^-14 or so of each other) the whole warp routes the row again with route_warp,
+//      one such row after another (the rows' logits are still in L2). A lane that redid its row
+//      exactly from global memory would run a serial chain of E loads: at T = 65536 the slowest
+//      warps then set the call's time (100 us against 57 for deepseek-v3; session 30). The picks'
+//      p and full keys are recomputed from their logits (p is needed for the weights anyway), and
+//      picks of one bucket are put in key order.
 //   5. Weights and outputs: route_rows.cuh's store_thread_row.
 #pragma once
 
@@ -52,6 +55,25 @@ inline constexpr int kStagedWarps = 4;      // warps a block
 // Rows from which the launcher takes the staged kernels for the rules they serve (measured: routing.cu).
 inline constexpr std::int64_t kStagedMinTokens = 32768;
 
+// Shared memory of the staged kernels: the bias (E floats), then per warp two stages of 32 rows'
+// chunks, each row piece padded to kPitch bytes.
+template <DType kDtype>
+struct StagedLayout {
+  static constexpr int kElem = kDtype == DType::kFloat32 ? 4 : 2;
+  static constexpr int kChunkBytes = kStagedChunk * kElem;
+  static constexpr int kPitch = kChunkBytes + 16;  // lanes 8 apart in distinct banks
+  static constexpr int kStageBytes = 32 * kPitch;
+  static constexpr int kPieces = kChunkBytes / 16;  // 16-byte copies a lane issues per chunk
+  static constexpr int kRowsPerCopy = 32 / kPieces;
+  static constexpr std::size_t kBiasBytes = std::size_t{4} * kStagedMaxExperts;
+  static constexpr std::size_t kWarpBytes = std::size_t{2} * kStageBytes;
+  static constexpr std::size_t kBlockBytes = kBiasBytes + kStagedWarps * kWarpBytes;
+};
+
+// The whole-warp shape that routes a row again where its packed selection may not be exact.
+using StagedRedoShape = RouteShape<32, 4, 2>;
+static_assert(StagedRedoShape::kMaxExperts >= 512, "the redo shape holds every staged row");
+
 // Whether the staged kernels can serve p: sigmoid with an fp32 bias (aligned), fp32 or bf16 logits
 // whose rows start on 16 bytes, E a multiple of 32 up to 512, K <= 8, no group limit or groups of 32
 // experts (score of at most two, topk_group <= 4).
@@ -65,6 +87,8 @@ inline bool staged_fits(const RouteParams& p) {
     return false;
   if (p.num_experts % kStagedChunk != 0 || p.num_experts > kStagedMaxExperts) return false;
   if (p.top_k < 1 || p.top_k > kStagedTopK) return false;
+  // The redo's shared memory: in the warp's stages (StagedLayout<bf16>::kWarpBytes, the smaller).
+  if (route_smem_bytes_per_warp<StagedRedoShape, true>(p) > StagedLayout<DType::kBFloat16>::kWarpBytes) return false;
   if (p.group_path == kGroupNone) return true;
   return p.group_path == kGroupChunks && p.group_size == kStagedChunk && p.topk_group <= kStagedMaxGroups &&
          p.group_take <= 2;
@@ -85,21 +109,6 @@ inline bool use_staged(const RouteParams& p, StagedChoice choice) {
   if (choice == StagedChoice::kNever || !staged_fits(p)) return false;
   return choice == StagedChoice::kAlways || p.num_tokens >= kStagedMinTokens;
 }
-
-// Shared memory of the staged kernels: the bias (E floats), then per warp two stages of 32 rows'
-// chunks, each row piece padded to kPitch bytes.
-template <DType kDtype>
-struct StagedLayout {
-  static constexpr int kElem = kDtype == DType::kFloat32 ? 4 : 2;
-  static constexpr int kChunkBytes = kStagedChunk * kElem;
-  static constexpr int kPitch = kChunkBytes + 16;  // lanes 8 apart in distinct banks
-  static constexpr int kStageBytes = 32 * kPitch;
-  static constexpr int kPieces = kChunkBytes / 16;  // 16-byte copies a lane issues per chunk
-  static constexpr int kRowsPerCopy = 32 / kPieces;
-  static constexpr std::size_t kBiasBytes = std::size_t{4} * kStagedMaxExperts;
-  static constexpr std::size_t kWarpBytes = std::size_t{2} * kStageBytes;
-  static constexpr std::size_t kBlockBytes = kBiasBytes + kStagedWarps * kWarpBytes;
-};
 
 namespace dev {
 
@@ -140,26 +149,6 @@ __device__ __forceinline__ void merge8(std::uint32_t* a, std::uint32_t& na, cons
   for (int i = 0; i < 4; ++i) cx(a[i], a[i + 4]);
   cx(a[0], a[2]), cx(a[1], a[3]), cx(a[4], a[6]), cx(a[5], a[7]);
   cx(a[0], a[1]), cx(a[2], a[3]), cx(a[4], a[5]), cx(a[6], a[7]);
-}
-
-// The exact picks of a row whose packed selection was not (rare): the oracle's top K over the experts
-// of the groups in `allowed` (bit g: group g of 32 experts), from the logits in global memory and the
-// bias in shared memory, in (key desc, expert asc) order.
-__device__ __noinline__ void staged_exact_picks(const RouteParams& p, const void* row_ptr, const float* bias,
-                                                unsigned allowed, int* picks) {
-  std::uint32_t bk[kStagedTopK];
-  int be[kStagedTopK];
-  for (int d = 0; d < kStagedTopK; ++d) {
-    bk[d] = 0u;
-    be[d] = 0;
-  }
-  std::uint32_t unused_next = 0u;
-  for (int e = 0; e < p.num_experts; ++e) {
-    if (((allowed >> (e / kStagedChunk)) & 1u) == 0) continue;
-    const float q = __fadd_rn(sigmoid_pre(load_one(row_ptr, p.logits_dtype, e)), bias[e]);
-    buffer_insert<kStagedTopK>(bk, be, unused_next, canonical_key(q), e);
-  }
-  for (int d = 0; d < kStagedTopK; ++d) picks[d] = be[d];
 }
 
 }  // namespace dev
@@ -322,18 +311,13 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   }
 
   // 4. The K best packed keys and the exactness test.
-  unsigned allowed = 0xffffffffu;
   if constexpr (kGroups) {
 #pragma unroll
     for (int i = 0; i < kStagedTopK; ++i) run[i] = glist[0][i];
     run_out = gout[0];
-    allowed = 1u << gid[0];
 #pragma unroll
     for (int j = 1; j < kStagedMaxGroups; ++j) {
-      if (j < p.topk_group) {
-        merge8(run, run_out, glist[j], gout[j]);
-        allowed |= 1u << gid[j];
-      }
+      if (j < p.topk_group) merge8(run, run_out, glist[j], gout[j]);
     }
   }
   std::uint32_t kth = run[0], after = run_out;
@@ -342,15 +326,16 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     if (k == K - 1) kth = run[k];
     if (k == K) after = run[k];
   }
+  // Rows whose packed selection may not be exact are routed again, one at a time, by the whole warp
+  // (route_warp on the stages' memory, which the chunks no longer need), and are done.
+  const bool redo = row <= last && ((kth ^ after) & ~index_mask) == 0;
+  for (unsigned m = __ballot_sync(kFullMask, redo); m != 0; m &= m - 1) {
+    route_warp<StagedRedoShape>(p, first_row + (__ffs(m) - 1), stages, nullptr);
+  }
+  if (redo || row > last) return;
   int e[kStagedTopK];
 #pragma unroll
   for (int k = 0; k < kStagedTopK; ++k) e[k] = static_cast<int>(index_mask - (run[k] & index_mask));
-  if (((kth ^ after) & ~index_mask) == 0) {
-    int exact[kStagedTopK];  // through memory: keeps e in registers
-    staged_exact_picks(p, row_ptr, bias, allowed, exact);
-#pragma unroll
-    for (int k = 0; k < kStagedTopK; ++k) e[k] = exact[k];
-  }
 
   // The picks' p and full keys from their logits; picks of one bucket into key order.
   float pv[kStagedTopK];
@@ -382,7 +367,6 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       }
     }
   }
-  if (row > last) return;
   bool fin[kStagedTopK];
 #pragma unroll
   for (int k = 0; k < kStagedTopK; ++k) fin[k] = k < K && key_finite(fk[k]);

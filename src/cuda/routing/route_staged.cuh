@@ -20,8 +20,8 @@
 //      bucket (see 4).
 //   2. Group limit (groups of exactly one chunk): the group's score from the two largest full keys
 //      (a max / second-max tree: exact, as the oracle's sum of the two best q), and the best
-//      topk_group groups so far, each with its top 8 packed keys, kept in rank order (score desc,
-//      group asc; later groups win only when strictly better).
+//      topk_group groups so far (score desc, group asc: a later group displaces the worst kept one
+//      only when strictly better), each with its top 8 packed keys.
 //   3. The chunk's top 8 packed keys and the largest one left out ("ninth"): four 8-sorters (19
 //      comparators) and three bitonic top-8 merges, whose losers' maximum is the ninth. Without a
 //      group limit they merge into the row's running top 8.
@@ -118,6 +118,10 @@ __device__ __forceinline__ void cp_async16(unsigned smem_addr, const void* gptr)
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most one committed group of the calling thread is pending.
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+__device__ __forceinline__ void prefetch_line_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+}
 
 // Descending compare-exchange.
 __device__ __forceinline__ void cx(std::uint32_t& a, std::uint32_t& b) {
@@ -216,6 +220,20 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   cp_async_commit();
   for (int c = 0; c < chunks; ++c) {
     if (c + 1 < chunks) issue(c + 1, (c + 1) & 1);
+    if (c + 1 == chunks && c > 0) {
+      // The picks' logits are read again at the end; by then the lines read first may have left L2
+      // (fp32 at T = 65536: 67 MB). Back into L2 now, during the last chunk: the lines of the kept
+      // groups, or of the running top 8.
+      if constexpr (kGroups) {
+#pragma unroll
+        for (int j = 0; j < kStagedMaxGroups; ++j)
+          if (j < p.topk_group) prefetch_line_l2(row_ptr + gid[j] * L::kChunkBytes);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kStagedTopK; ++k)
+          prefetch_line_l2(row_ptr + static_cast<int>(index_mask - (run[k] & index_mask)) * L::kElem);
+      }
+    }
     cp_async_commit();  // possibly empty: keeps "all but the newest group" = chunk c
     cp_async_wait_one();
     __syncwarp();
@@ -268,12 +286,15 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         lo[i] = min(key[2 * i], key[2 * i + 1]);
       }
 #pragma unroll
-      for (int n = kStagedChunk / 4; n >= 1; n /= 2) {
+      for (int level = 0; level < 4; ++level) {  // n = 8, 4, 2, 1 (a constant trip count: registers)
+        const int n = (kStagedChunk / 4) >> level;
 #pragma unroll
-        for (int i = 0; i < n; ++i) {
-          const std::uint32_t h = max(hi[i], hi[i + n]);
-          lo[i] = max(min(hi[i], hi[i + n]), max(lo[i], lo[i + n]));
-          hi[i] = h;
+        for (int i = 0; i < kStagedChunk / 4; ++i) {
+          if (i < n) {
+            const std::uint32_t h = max(hi[i], hi[i + n]);
+            lo[i] = max(min(hi[i], hi[i + n]), max(lo[i], lo[i + n]));
+            hi[i] = h;
+          }
         }
       }
       const float s1 = key_score(hi[0]);
@@ -290,20 +311,31 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     merge8(key + 16, out2, key + 24, 0u);
     merge8(key, out0, key + 16, out2);
     if constexpr (kGroups) {
-      // Insert group c into the kept groups (rank order; slots past c are empty and lose).
-      bool beats[kStagedMaxGroups];
+      // Group c into the kept groups. Slots are unordered (merging their lists gives the same top 8 in
+      // any order): the first topk_group groups fill them, then a group replaces the worst kept one
+      // (lowest score, of those the latest group) when its score is strictly higher (it comes later).
+      // Selects on every slot: written as a move through the slot index, the compiler kept the
+      // lists in local memory.
+      float worst = gscore[0];
+      int worst_gid = gid[0], w = 0;
 #pragma unroll
-      for (int j = 0; j < kStagedMaxGroups; ++j) beats[j] = j >= c || score > gscore[j];
+      for (int j = 1; j < kStagedMaxGroups; ++j) {
+        const bool worse =
+            j < p.topk_group && (gscore[j] < worst || (gscore[j] == worst && gid[j] > worst_gid));
+        w = worse ? j : w;
+        worst = worse ? gscore[j] : worst;
+        worst_gid = worse ? gid[j] : worst_gid;
+      }
+      const bool fill = c < p.topk_group;
+      const unsigned take = (fill || score > worst) ? 1u << (fill ? c : w) : 0u;
 #pragma unroll
-      for (int j = kStagedMaxGroups - 1; j >= 0; --j) {
-        const bool from_prev = j > 0 && beats[j - 1];
-        const bool from_new = beats[j] && !from_prev;
-        const int src = j > 0 ? j - 1 : 0;
-        gscore[j] = from_prev ? gscore[src] : from_new ? score : gscore[j];
-        gid[j] = from_prev ? gid[src] : from_new ? c : gid[j];
-        gout[j] = from_prev ? gout[src] : from_new ? out0 : gout[j];
+      for (int j = 0; j < kStagedMaxGroups; ++j) {
+        const bool s = (take >> j) & 1u;
+        gscore[j] = s ? score : gscore[j];
+        gid[j] = s ? c : gid[j];
+        gout[j] = s ? out0 : gout[j];
 #pragma unroll
-        for (int i = 0; i < kStagedTopK; ++i) glist[j][i] = from_prev ? glist[src][i] : from_new ? key[i] : glist[j][i];
+        for (int i = 0; i < kStagedTopK; ++i) glist[j][i] = s ? key[i] : glist[j][i];
       }
     } else {
       merge8(run, run_out, key, out0);

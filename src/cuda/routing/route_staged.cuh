@@ -52,8 +52,17 @@ inline constexpr int kStagedMaxExperts = 512;
 inline constexpr int kStagedTopK = 8;       // the lists' depth: K <= 8
 inline constexpr int kStagedMaxGroups = 4;  // topk_group <= 4
 inline constexpr int kStagedWarps = 4;      // warps a block
-// Rows from which the launcher takes the staged kernels for the rules they serve (measured: routing.cu).
+// The launcher takes the staged kernels from kStagedMinTokens rows on, for rows of up to
+// kStagedAutoMaxExperts experts. Measured on the H200 (us, same call, two runs, route_warp against
+// staged; session 30, bench/results/h200_2026-12-03_s30_staged_ab.md): deepseek-v3 fp32 T = 16384 /
+// 32768 / 65536 16.9 / 30.5 / 57.3 against 21.7 / 28.7 / 46.5, bf16 16.6 / 30.6 / 58.3 against 20.9 /
+// 28.5 / 45.2; glm-4.5 (E = 160; from 32768 rows the streamed narrow segments on the other side)
+// fp32 14.3 / 22.2 / 36.3 against 15.2 / 19.3 / 31.8, bf16 14.8 / 23.3 / 38.2 against 15.1 / 19.4 /
+// 28.8; kimi-k2 (E = 384, route_warp without padding) fp32 18.1 /
+// 31.3 / 57.6 against 24.3 / 37.0 / 57.8, bf16 alike: not taken. Below 16384 rows a warp's serial
+// chain (~12k instructions a lane) is the call's time (~20 us at T = 4096).
 inline constexpr std::int64_t kStagedMinTokens = 32768;
+inline constexpr int kStagedAutoMaxExperts = 256;
 
 // Shared memory of the staged kernels: the bias (E floats), then per warp two stages of 32 rows'
 // chunks, each row piece padded to kPitch bytes.
@@ -95,8 +104,8 @@ inline bool staged_fits(const RouteParams& p) {
 }
 
 // SWITCHYARD_ROUTE_STAGED=0|1 (environment, read once per call by route()): 0 never takes the staged
-// kernels, 1 takes them wherever they fit (any T); unset or other values: from kStagedMinTokens rows
-// on. A testing and A/B knob.
+// kernels, 1 takes them wherever they fit (any T and E); unset or other values: the default above. A
+// testing and A/B knob.
 enum class StagedChoice { kAuto, kNever, kAlways };
 inline StagedChoice staged_knob() {
   const char* v = std::getenv("SWITCHYARD_ROUTE_STAGED");
@@ -107,7 +116,8 @@ inline StagedChoice staged_knob() {
 }
 inline bool use_staged(const RouteParams& p, StagedChoice choice) {
   if (choice == StagedChoice::kNever || !staged_fits(p)) return false;
-  return choice == StagedChoice::kAlways || p.num_tokens >= kStagedMinTokens;
+  return choice == StagedChoice::kAlways ||
+         (p.num_tokens >= kStagedMinTokens && p.num_experts <= kStagedAutoMaxExperts);
 }
 
 namespace dev {

@@ -419,6 +419,8 @@ inline bool narrow_packed_knob() {
 // routing.cu's stream Specs (sigmoid + bias -> normalize). A lane streams its E / 32 stripes of the row
 // instead of the whole warp's 2 stripes of 128 experts, a quarter of them padding at E = 160
 // (measurements: routing.cu).
+// (Where route_staged.cuh's kernels fit, from their kStagedMinTokens rows on, routing.cu's route()
+// takes those first.)
 inline constexpr int kStreamLanes = 8;
 inline constexpr int kStreamMinExperts = 128;
 inline constexpr int kStreamMaxExperts = 192;

@@ -373,6 +373,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   const bool redo = row <= last && ((kth ^ after) & ~index_mask) == 0;
   for (unsigned m = __ballot_sync(kFullMask, redo); m != 0; m &= m - 1) {
     route_warp<StagedRedoShape>(p, first_row + (__ffs(m) - 1), stages, nullptr);
+    __syncwarp();  // the next redo writes the shared memory this one's lanes read
   }
   if (redo || row > last) return;
   int e[kStagedTopK];

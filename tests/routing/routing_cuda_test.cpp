@@ -1126,9 +1126,9 @@ TEST(RoutingCuda, StreamedNarrowRows) {
 // not serve (other kernels under the knob), and the default from kStagedMinTokens rows.
 TEST(RoutingCuda, StagedRows) {
   SY_SKIP_WITHOUT_GPU();
-  const Kind kinds[] = {Kind::kNearTied, Kind::kHiddenInBucket, Kind::kNormal,   Kind::kTied,
-                        Kind::kSpecial,  Kind::kLaneHeavy,      Kind::kNegative, Kind::kWide,
-                        Kind::kDryBuffers};
+  const Kind kinds[] = {Kind::kNearTied, Kind::kHiddenInBucket, Kind::kNormal,
+                        Kind::kTied,     Kind::kSpecial,        Kind::kLaneHeavy,
+                        Kind::kNegative, Kind::kWide,           Kind::kDryBuffers};
   const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};
   int i = 0;
   {

@@ -97,23 +97,17 @@ inline bool staged_fits(const RouteParams& p) {
   if (p.num_experts % kStagedChunk != 0 || p.num_experts > kStagedMaxExperts) return false;
   if (p.top_k < 1 || p.top_k > kStagedTopK) return false;
   // The redo's shared memory: in the warp's stages (StagedLayout<bf16>::kWarpBytes, the smaller).
-  if (route_smem_bytes_per_warp<StagedRedoShape, true>(p) > StagedLayout<DType::kBFloat16>::kWarpBytes) return false;
+  if (route_smem_bytes_per_warp<StagedRedoShape, true>(p) > StagedLayout<DType::kBFloat16>::kWarpBytes)
+    return false;
   if (p.group_path == kGroupNone) return true;
   return p.group_path == kGroupChunks && p.group_size == kStagedChunk && p.topk_group <= kStagedMaxGroups &&
          p.group_take <= 2;
 }
 
-// SWITCHYARD_ROUTE_STAGED=0|1 (environment, read once per call by route()): 0 never takes the staged
-// kernels, 1 takes them wherever they fit (any T and E); unset or other values: the default above. A
-// testing and A/B knob.
-enum class StagedChoice { kAuto, kNever, kAlways };
-inline StagedChoice staged_knob() {
-  const char* v = std::getenv("SWITCHYARD_ROUTE_STAGED");
-  if (v == nullptr) return StagedChoice::kAuto;
-  if (std::strcmp(v, "0") == 0) return StagedChoice::kNever;
-  if (std::strcmp(v, "1") == 0) return StagedChoice::kAlways;
-  return StagedChoice::kAuto;
-}
+// SWITCHYARD_ROUTE_STAGED=0|1 (read once per call by route(); choice_knob): the staged kernels never,
+// or wherever they fit (any T and E); the default: as above.
+using StagedChoice = KnobChoice;
+inline StagedChoice staged_knob() { return choice_knob("SWITCHYARD_ROUTE_STAGED"); }
 inline bool use_staged(const RouteParams& p, StagedChoice choice) {
   if (choice == StagedChoice::kNever || !staged_fits(p)) return false;
   return choice == StagedChoice::kAlways ||
@@ -158,7 +152,8 @@ __device__ __forceinline__ void merge8(std::uint32_t* a, std::uint32_t& na, cons
     lo[i] = min(a[i], b[7 - i]);
     a[i] = max(a[i], b[7 - i]);
   }
-  na = max(max(max(na, nb), max(max(lo[0], lo[1]), max(lo[2], lo[3]))), max(max(lo[4], lo[5]), max(lo[6], lo[7])));
+  na = max(max(max(na, nb), max(max(lo[0], lo[1]), max(lo[2], lo[3]))),
+           max(max(lo[4], lo[5]), max(lo[6], lo[7])));
 #pragma unroll
   for (int i = 0; i < 4; ++i) cx(a[i], a[i + 4]);
   cx(a[0], a[2]), cx(a[1], a[3]), cx(a[4], a[6]), cx(a[5], a[7]);

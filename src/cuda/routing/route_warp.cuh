@@ -429,17 +429,20 @@ inline bool stream_fits(int num_experts, int top_k, int group_path) {
   return group_path == kGroupNone && num_experts > kStreamMinExperts && num_experts <= kStreamMaxExperts &&
          narrow_packed_k(top_k, kStreamLanes);
 }
-// SWITCHYARD_ROUTE_STREAM=0|1 (environment, read once per call by route()): 0 never takes the
-// streamed narrow segments, 1 takes them wherever they fit (any T); unset or other values: from
-// kStreamMinTokens rows on. A testing and A/B knob.
-enum class StreamChoice { kAuto, kNever, kAlways };
-inline StreamChoice stream_knob() {
-  const char* v = std::getenv("SWITCHYARD_ROUTE_STREAM");
-  if (v == nullptr) return StreamChoice::kAuto;
-  if (std::strcmp(v, "0") == 0) return StreamChoice::kNever;
-  if (std::strcmp(v, "1") == 0) return StreamChoice::kAlways;
-  return StreamChoice::kAuto;
+// A form's testing and A/B knob: the environment variable `name` = 0 never takes the form, 1 takes it
+// wherever it fits; unset or other values: the launcher's default.
+enum class KnobChoice { kAuto, kNever, kAlways };
+inline KnobChoice choice_knob(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return KnobChoice::kAuto;
+  if (std::strcmp(v, "0") == 0) return KnobChoice::kNever;
+  if (std::strcmp(v, "1") == 0) return KnobChoice::kAlways;
+  return KnobChoice::kAuto;
 }
+// SWITCHYARD_ROUTE_STREAM=0|1 (read once per call by route()): the streamed narrow segments never, or
+// wherever they fit (any T); the default: from kStreamMinTokens rows on.
+using StreamChoice = KnobChoice;
+inline StreamChoice stream_knob() { return choice_knob("SWITCHYARD_ROUTE_STREAM"); }
 
 // The choices route() makes on the host, once per call, for the launchers.
 struct RouteChoice {

@@ -574,8 +574,8 @@ __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_ke
   const int warp = static_cast<int>(threadIdx.x >> 5);
   const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * routing::kStagedWarps + warp) * 32;
   if (first_row >= p.num_tokens) return;  // whole warp: no barrier follows
-  routing::route_staged_warp<kDtype, kGroups>(p, first_row,
-                                              staged_smem + Layout::kBiasBytes + warp * Layout::kWarpBytes, bias);
+  routing::route_staged_warp<kDtype, kGroups>(
+      p, first_row, staged_smem + Layout::kBiasBytes + warp * Layout::kWarpBytes, bias);
 }
 
 // The staged kernel for p (routing::staged_fits).

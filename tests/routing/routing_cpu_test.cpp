@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/routing_names.h"
+#include "common/top8_network.h"
 #include "common/test_data.h"
 #include "switchyard/switchyard.h"
 
@@ -1129,6 +1130,63 @@ TEST(RoutingCpu, GroupFieldsIgnoredWithoutGroupRule) {
                                   TensorView::of(w.data(), DType::kFloat32, {T, K}))
                     .ok());
     EXPECT_EQ(got, want);
+  }
+}
+
+
+// The sorting networks of the staged routing kernels (common/top8_network.h): sort8 on every 0-1
+// input (the 0-1 principle: then it sorts every input), merge8 on every pair of sorted 0-1 lists and
+// their left-out keys, and both on random keys with many ties against std::sort, as the kernels use
+// them for a chunk of 32 keys (its top 8 and the ninth largest).
+TEST(TopEightNetwork, SortsMergesAndTracksTheNinth) {
+  using switchyard::detail::merge8;
+  using switchyard::detail::sort8;
+  for (unsigned m = 0; m < 256; ++m) {
+    std::uint32_t x[8];
+    for (int i = 0; i < 8; ++i) x[i] = (m >> i) & 1u;
+    sort8(x);
+    for (int i = 0; i < 7; ++i) ASSERT_GE(x[i], x[i + 1]) << "sort8, input bits " << m;
+    ASSERT_EQ(static_cast<unsigned>(__builtin_popcount(m)), static_cast<unsigned>(std::count(x, x + 8, 1u)));
+  }
+  for (int ones_a = 0; ones_a <= 8; ++ones_a) {
+    for (int ones_b = 0; ones_b <= 8; ++ones_b) {
+      for (std::uint32_t out_a = 0; out_a <= 1; ++out_a) {
+        for (std::uint32_t out_b = 0; out_b <= 1; ++out_b) {
+          std::uint32_t a[8], b[8];
+          for (int i = 0; i < 8; ++i) {
+            a[i] = i < ones_a ? 2u : out_a;  // left-out keys are <= every key kept
+            b[i] = i < ones_b ? 2u : out_b;
+          }
+          std::vector<std::uint32_t> all(a, a + 8);
+          all.insert(all.end(), b, b + 8);
+          all.push_back(out_a);
+          all.push_back(out_b);
+          std::sort(all.begin(), all.end(), std::greater<std::uint32_t>());
+          std::uint32_t na = out_a;
+          merge8(a, na, b, out_b);
+          for (int i = 0; i < 8; ++i) ASSERT_EQ(a[i], all[i]) << ones_a << " " << ones_b;
+          ASSERT_EQ(na, all[8]) << ones_a << " " << ones_b;
+        }
+      }
+    }
+  }
+  std::mt19937_64 g(sy_test::fresh_seed());
+  for (int t = 0; t < 20000; ++t) {
+    const std::uint32_t range = 1u + static_cast<std::uint32_t>(g() % 64);  // ties
+    std::uint32_t v[32];
+    for (std::uint32_t& x : v) x = static_cast<std::uint32_t>(g() % range);
+    std::uint32_t s[4][8];
+    for (int q = 0; q < 4; ++q) {
+      std::copy(v + 8 * q, v + 8 * q + 8, s[q]);
+      sort8(s[q]);
+    }
+    std::uint32_t n0 = 0, n2 = 0;
+    merge8(s[0], n0, s[1], 0);
+    merge8(s[2], n2, s[3], 0);
+    merge8(s[0], n0, s[2], n2);
+    std::sort(v, v + 32, std::greater<std::uint32_t>());
+    for (int i = 0; i < 8; ++i) ASSERT_EQ(s[0][i], v[i]) << "trial " << t;
+    ASSERT_EQ(n0, v[8]) << "trial " << t;
   }
 }
 

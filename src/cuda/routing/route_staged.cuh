@@ -23,7 +23,7 @@
 //      topk_group groups so far (score desc, group asc: a later group displaces the worst kept one
 //      only when strictly better), each with its top 8 packed keys.
 //   3. The chunk's top 8 packed keys and the largest one left out ("ninth"): four 8-sorters (19
-//      comparators) and three bitonic top-8 merges, whose losers' maximum is the ninth. Without a
+//      comparators) and three bitonic top-8 merges (common/top8_network.h), whose losers' maximum is the ninth. Without a
 //      group limit they merge into the row's running top 8.
 //   4. After the last chunk (with a group limit: the kept groups' lists merged), the K best packed
 //      keys. Exact unless the K-th pick shares its bucket with the best key left out (the K+1-th,
@@ -41,6 +41,7 @@
 
 #include <cstdint>
 
+#include "common/top8_network.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/routing/route_rows.cuh"
 #include "cuda/routing/route_warp.cuh"
@@ -127,38 +128,8 @@ __device__ __forceinline__ void prefetch_line_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
 }
 
-// Descending compare-exchange.
-__device__ __forceinline__ void cx(std::uint32_t& a, std::uint32_t& b) {
-  const std::uint32_t hi = max(a, b);
-  b = min(a, b);
-  a = hi;
-}
-// x[0 .. 8) sorted descending: the 19-comparator network (checked on all 0-1 inputs).
-__device__ __forceinline__ void sort8(std::uint32_t* x) {
-  cx(x[0], x[2]), cx(x[1], x[3]), cx(x[4], x[6]), cx(x[5], x[7]);
-  cx(x[0], x[4]), cx(x[1], x[5]), cx(x[2], x[6]), cx(x[3], x[7]);
-  cx(x[0], x[1]), cx(x[2], x[3]), cx(x[4], x[5]), cx(x[6], x[7]);
-  cx(x[2], x[4]), cx(x[3], x[5]);
-  cx(x[1], x[4]), cx(x[3], x[6]);
-  cx(x[1], x[2]), cx(x[3], x[4]), cx(x[5], x[6]);
-}
-// a := the top 8 of a and b (both sorted descending), sorted; na := the largest key of both left out
-// (na, nb: those left out of a and b before). max(a[i], b[7 - i]) is bitonic; the rest are the losers.
-__device__ __forceinline__ void merge8(std::uint32_t* a, std::uint32_t& na, const std::uint32_t* b,
-                                       std::uint32_t nb) {
-  std::uint32_t lo[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    lo[i] = min(a[i], b[7 - i]);
-    a[i] = max(a[i], b[7 - i]);
-  }
-  na = max(max(max(na, nb), max(max(lo[0], lo[1]), max(lo[2], lo[3]))),
-           max(max(lo[4], lo[5]), max(lo[6], lo[7])));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) cx(a[i], a[i + 4]);
-  cx(a[0], a[2]), cx(a[1], a[3]), cx(a[4], a[6]), cx(a[5], a[7]);
-  cx(a[0], a[1]), cx(a[2], a[3]), cx(a[4], a[5]), cx(a[6], a[7]);
-}
+using ::switchyard::detail::merge8;  // common/top8_network.h
+using ::switchyard::detail::sort8;
 
 }  // namespace dev
 

@@ -1,0 +1,65 @@
+// Sorting networks on 32-bit keys, descending, shared by the staged routing kernels
+// (cuda/routing/route_staged.cuh) and the CPU test that checks them (tests/routing/routing_cpu_test.cpp:
+// every 0-1 input, by the 0-1 principle, and random keys with ties).
+#pragma once
+
+#include <cstdint>
+
+#include "common/host_device.h"
+
+namespace switchyard::detail {
+
+SY_HD std::uint32_t umax32(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return max(a, b);
+#else
+  return a > b ? a : b;
+#endif
+}
+SY_HD std::uint32_t umin32(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return min(a, b);
+#else
+  return a < b ? a : b;
+#endif
+}
+
+// Descending compare-exchange.
+SY_HD void cx(std::uint32_t& a, std::uint32_t& b) {
+  const std::uint32_t hi = umax32(a, b);
+  b = umin32(a, b);
+  a = hi;
+}
+
+// x[0 .. 8) sorted descending: the 19-comparator network.
+SY_HD void sort8(std::uint32_t* x) {
+  cx(x[0], x[2]), cx(x[1], x[3]), cx(x[4], x[6]), cx(x[5], x[7]);
+  cx(x[0], x[4]), cx(x[1], x[5]), cx(x[2], x[6]), cx(x[3], x[7]);
+  cx(x[0], x[1]), cx(x[2], x[3]), cx(x[4], x[5]), cx(x[6], x[7]);
+  cx(x[2], x[4]), cx(x[3], x[5]);
+  cx(x[1], x[4]), cx(x[3], x[6]);
+  cx(x[1], x[2]), cx(x[3], x[4]), cx(x[5], x[6]);
+}
+
+// a := the top 8 of a and b (both sorted descending), sorted; na := the largest key of both left out
+// (na, nb: those left out of a and b before). max(a[i], b[7 - i]) is bitonic; the rest are the losers.
+SY_HD void merge8(std::uint32_t* a, std::uint32_t& na, const std::uint32_t* b, std::uint32_t nb) {
+  std::uint32_t lo[8];
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int i = 0; i < 8; ++i) {
+    lo[i] = umin32(a[i], b[7 - i]);
+    a[i] = umax32(a[i], b[7 - i]);
+  }
+  na = umax32(umax32(umax32(na, nb), umax32(umax32(lo[0], lo[1]), umax32(lo[2], lo[3]))),
+              umax32(umax32(lo[4], lo[5]), umax32(lo[6], lo[7])));
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int i = 0; i < 4; ++i) cx(a[i], a[i + 4]);
+  cx(a[0], a[2]), cx(a[1], a[3]), cx(a[4], a[6]), cx(a[5], a[7]);
+  cx(a[0], a[1]), cx(a[2], a[3]), cx(a[4], a[5]), cx(a[6], a[7]);
+}
+
+}  // namespace switchyard::detail

@@ -1,6 +1,8 @@
 // Sorting networks on 32-bit keys, descending, shared by the staged routing kernels
 // (cuda/routing/route_staged.cuh) and the CPU test that checks them (tests/routing/routing_cpu_test.cpp:
-// every 0-1 input, by the 0-1 principle, and random keys with ties).
+// every 0-1 input, by the 0-1 principle, and random keys with ties). The networks are textbook ones: the
+// 19-comparator sorter of 8 inputs (Knuth, TAOCP vol. 3, section 5.3.4) and Batcher's bitonic merge;
+// keeping the losers' maximum as the largest key left out is ours.
 #pragma once
 
 #include <cstdint>

@@ -47,7 +47,7 @@ SY_HD void sort8(std::uint32_t* x) {
 // (na, nb: those left out of a and b before). max(a[i], b[7 - i]) is bitonic; the rest are the losers.
 SY_HD void merge8(std::uint32_t* a, std::uint32_t& na, const std::uint32_t* b, std::uint32_t nb) {
   std::uint32_t lo[8];
-#if defined(__CUDACC__)
+#if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
   for (int i = 0; i < 8; ++i) {
@@ -56,7 +56,7 @@ SY_HD void merge8(std::uint32_t* a, std::uint32_t& na, const std::uint32_t* b, s
   }
   na = umax32(umax32(umax32(na, nb), umax32(umax32(lo[0], lo[1]), umax32(lo[2], lo[3]))),
               umax32(umax32(lo[4], lo[5]), umax32(lo[6], lo[7])));
-#if defined(__CUDACC__)
+#if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
   for (int i = 0; i < 4; ++i) cx(a[i], a[i + 4]);

@@ -15,16 +15,16 @@
 // A row, in one thread, chunk by chunk (32 experts; E % 32 == 0):
 //   1. p = sigmoid(logit) (exact: the fast path when every |logit| of the chunk is <= 86.5), the
 //      selection key of q = canonical(p + bias) (route_warp's ordered 32-bit keys), and its packed
-//      key: the key with its low kIndexBits bits replaced by the inverted expert index, so that
-//      packed keys order by (bucket desc, expert asc), the oracle's order unless two keys share a
-//      bucket (see 4).
+//      key: the key with its low bits (as many as E - 1 needs) replaced by the inverted expert
+//      index, so that packed keys order by (bucket desc, expert asc), the oracle's order unless two
+//      keys share a bucket (see 4).
 //   2. Group limit (groups of exactly one chunk): the group's score from the two largest full keys
 //      (a max / second-max tree: exact, as the oracle's sum of the two best q), and the best
 //      topk_group groups so far (score desc, group asc: a later group displaces the worst kept one
 //      only when strictly better), each with its top 8 packed keys.
 //   3. The chunk's top 8 packed keys and the largest one left out ("ninth"): four 8-sorters (19
-//      comparators) and three bitonic top-8 merges (common/top8_network.h), whose losers' maximum is the ninth. Without a
-//      group limit they merge into the row's running top 8.
+//      comparators) and three bitonic top-8 merges (common/top8_network.h), whose losers' maximum is the
+//      ninth. Without a group limit they merge into the row's running top 8.
 //   4. After the last chunk (with a group limit: the kept groups' lists merged), the K best packed
 //      keys. Exact unless the K-th pick shares its bucket with the best key left out (the K+1-th,
 //      or the ninth when K = 8): then every non-pick's key is below every pick's. Otherwise (rare:
@@ -109,9 +109,12 @@ inline bool staged_fits(const RouteParams& p) {
 // or wherever they fit (any T and E); the default: as above.
 using StagedChoice = KnobChoice;
 inline StagedChoice staged_knob() { return choice_knob("SWITCHYARD_ROUTE_STAGED"); }
-inline bool use_staged(const RouteParams& p, StagedChoice choice) {
-  if (choice == StagedChoice::kNever || !staged_fits(p)) return false;
-  return choice == StagedChoice::kAlways ||
+// Whether route() takes the staged kernels for p: before the streamed narrow segments (which they
+// beat where both fit, see above), unless SWITCHYARD_ROUTE_STREAM=1 forces those.
+inline bool use_staged(const RouteParams& p, const RouteChoice& choice) {
+  if (choice.stream == StreamChoice::kAlways) return false;
+  if (choice.staged == StagedChoice::kNever || !staged_fits(p)) return false;
+  return choice.staged == StagedChoice::kAlways ||
          (p.num_tokens >= kStagedMinTokens && p.num_experts <= kStagedAutoMaxExperts);
 }
 

@@ -449,6 +449,7 @@ struct RouteChoice {
   SmallRowForm form = SmallRowForm::kAuto;    // small_row_form_knob
   bool narrow_packed = true;                  // narrow_packed_knob
   StreamChoice stream = StreamChoice::kAuto;  // stream_knob
+  KnobChoice staged = KnobChoice::kAuto;      // route_staged.cuh's staged_knob
 };
 inline bool use_stream(const RouteParams& p, const RouteChoice& choice) {
   if (choice.stream == StreamChoice::kNever || !stream_fits(p.num_experts, p.top_k, p.group_path))

@@ -610,11 +610,9 @@ Status route(const detail::RouteArgs& args, Stream stream) {
   choice.form = routing::small_row_form_knob();
   choice.narrow_packed = routing::narrow_packed_knob();
   choice.stream = routing::stream_knob();
+  choice.staged = routing::staged_knob();
   if (routing::use_rows_kernel(p, choice.form)) return launch_route_rows_for(p, stream);
-  // The staged kernels take the rows they serve before the streamed narrow segments (which they beat
-  // where both fit: route_staged.cuh), unless SWITCHYARD_ROUTE_STREAM=1 forces those.
-  if (choice.stream != routing::StreamChoice::kAlways && routing::use_staged(p, routing::staged_knob()))
-    return launch_route_staged(p, stream);
+  if (routing::use_staged(p, choice)) return launch_route_staged(p, stream);
   if (routing::use_stream(p, choice)) {
     Status status;
     if (launch_route_stream(p, stream, &status)) return status;

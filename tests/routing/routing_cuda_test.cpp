@@ -3,7 +3,10 @@
 //   * topk_ids exactly equal (tie order included), every element written;
 //   * topk_weights bit-equal, fp32 and bf16 alike. The kernels reproduce the oracle's
 //     arithmetic operation for operation (route_warp.cuh), so the tolerance is zero for every
-//     logits dtype; bf16 weights are the same fp32 value rounded by the same routine.
+//     logits dtype; bf16 weights are the same fp32 value rounded by the same routine. The one
+//     exception: softmax -> normalize rows on the staged kernels (route_staged.cuh) take their
+//     weights from the picks alone, within 1e-6 relative of the oracle's (one bf16 ulp for bf16
+//     weights); their cases say so (Case::weight_tol).
 // Outputs are poisoned before each GPU call. Inputs are fresh random data on every run; the
 // seed is in the failure trace. Without a usable GPU every test skips with the reason.
 #include <cuda_runtime.h>
@@ -71,6 +74,10 @@ enum class Kind {
   // h and two values above it (the second one hidden outside the lane's buffer). A check that
   // trusted a head equal to the last pick would keep p (K = 1, 2) where the oracle picks x + 1 ulp.
   kHiddenInBucket,
+  // N(0, 1) - 6 with 4-16 experts at 2^-14 plus 0-8191 ulps: distinct logits in different packed
+  // buckets whose softmax p are nearly all equal (exp of s - m rounds to 1), so that the oracle ranks
+  // them by expert, not by logit (route_staged.cuh's softmax p test).
+  kFlatTop,
 };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -92,6 +99,8 @@ const char* kind_name(Kind k) {
       return "negative";
     case Kind::kHiddenInBucket:
       return "hidden-in-bucket";
+    case Kind::kFlatTop:
+      return "flat-top";
   }
   return "?";
 }
@@ -111,6 +120,10 @@ struct Case {
   Kind kind = Kind::kNormal;
   std::int64_t extra_stride = 0;  // row stride = E + extra_stride
   std::int64_t base_offset = 0;   // logits start this many elements into their buffer
+  // 0: weights bit-equal to the oracle's. Else fp32 weights within weight_tol relative (plus 1e-30
+  // absolute) and bf16 weights within one bf16 ulp: the staged softmax -> normalize rows, whose
+  // weights come from the picks alone (route_staged.cuh, step 5).
+  float weight_tol = 0.0f;
 
   std::string describe() const {
     std::ostringstream s;
@@ -122,6 +135,7 @@ struct Case {
       << " bias=" << (bias ? switchyard::dtype_name(bias_dtype) : "-")
       << " ids=" << switchyard::dtype_name(ids_dtype) << " weights=" << switchyard::dtype_name(weights_dtype)
       << " kind=" << kind_name(kind) << " stride=+" << extra_stride << " offset=" << base_offset;
+    if (weight_tol > 0.0f) s << " weight_tol=" << weight_tol;
     return s.str();
   }
 };
@@ -206,6 +220,23 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
           row[4 * l2 + 1] = x;
           row[4 * l2 + 2] = above;
           row[4 * l2 + 3] = above;
+        }
+      }
+      return v;
+    }
+    case Kind::kFlatTop: {
+      std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
+      std::mt19937_64 g(seed ^ 0xd6e8feb86659fd93ull);
+      const float base = 0x1p-14f;
+      std::uint32_t u;
+      std::memcpy(&u, &base, 4);
+      for (std::int64_t t = 0; t < T; ++t) {
+        float* row = v.data() + t * E;
+        for (int e = 0; e < E; ++e) row[e] -= 6.0f;
+        const int m = 4 + static_cast<int>(g() % 13);
+        for (int j = 0; j < m; ++j) {
+          const std::uint32_t b = u + static_cast<std::uint32_t>(g() % 8192);
+          std::memcpy(&row[g() % E], &b, 4);
         }
       }
       return v;
@@ -310,6 +341,16 @@ float weight_value(std::uint32_t bits, DType dtype) {
   return switchyard::detail::bits_float(bits);
 }
 
+// Whether a GPU weight matches the oracle's under Case::weight_tol.
+bool weight_matches(std::uint32_t gpu, std::uint32_t cpu, DType dtype, float tol) {
+  if (gpu == cpu) return true;
+  if (tol == 0.0f) return false;
+  const double g = weight_value(gpu, dtype), c = weight_value(cpu, dtype);
+  if (!std::isfinite(g) || !std::isfinite(c)) return false;
+  if (dtype == DType::kBFloat16) return (gpu >> 15) == (cpu >> 15) && (gpu > cpu ? gpu - cpu : cpu - gpu) == 1u;
+  return std::fabs(g - c) <= static_cast<double>(tol) * std::fabs(c) + 1e-30;
+}
+
 // The inputs of one case, on the host and on the device.
 struct Problem {
   Case c;
@@ -388,7 +429,7 @@ void compare(const Problem& pr, const std::vector<std::uint8_t>& cpu_ids,
     const std::int64_t gi = id_at(gpu_ids, c.ids_dtype, i), ci = id_at(cpu_ids, c.ids_dtype, i);
     const std::uint32_t gw = weight_bits(gpu_w, c.weights_dtype, i),
                         cw = weight_bits(cpu_w, c.weights_dtype, i);
-    if (gi == ci && gw == cw) continue;
+    if (gi == ci && weight_matches(gw, cw, c.weights_dtype, c.weight_tol)) continue;
     const std::int64_t t = static_cast<std::int64_t>(i) / K;
     if (t != last_bad) ++bad_rows;
     last_bad = t;
@@ -1118,12 +1159,14 @@ TEST(RoutingCuda, StreamedNarrowRows) {
   }
 }
 
-// Staged rows (route_staged.cuh: one thread a row, sigmoid + fp32 bias, E % 32 == 0 up to 512,
-// K <= 8, no group limit or groups of 32 experts) at every T under SWITCHYARD_ROUTE_STAGED=1: every
-// input kind (near ties and hidden-in-bucket rows send rows to the exact redo; special values to the
-// slow sigmoid), the three group rules with 1-4 kept groups, fp32 / bf16 logits, strides and offsets
-// that keep rows on 16 bytes, row counts that end inside a warp; then the requests the kernels do
-// not serve (other kernels under the knob), and the default from kStagedMinTokens rows.
+// Staged rows (route_staged.cuh: one thread a row, E % 32 == 0 up to 512, K <= 8; sigmoid + fp32 bias
+// without a group limit or with groups of 32 experts, logits without a pre function, softmax ->
+// normalize) at every T under SWITCHYARD_ROUTE_STAGED=1: every input kind (near ties and
+// hidden-in-bucket rows send rows to the exact redo; special values to the slow sigmoid and, for
+// softmax, to the redo), the three group rules with 1-4 kept groups, every post function, fp32 / bf16
+// logits, strides and offsets that keep rows on 16 bytes, row counts that end inside a warp; then the
+// requests the kernels do not serve (other kernels under the knob), and the default from
+// kStagedMinTokens rows.
 TEST(RoutingCuda, StagedRows) {
   SY_SKIP_WITHOUT_GPU();
   const Kind kinds[] = {Kind::kNearTied, Kind::kHiddenInBucket, Kind::kNormal,
@@ -1161,11 +1204,37 @@ TEST(RoutingCuda, StagedRows) {
         }
       }
     }
-    // Not served: fp16 logits, rows off 16 bytes, E % 32 != 0, K > 8, 5 kept groups, groups of 16.
-    for (int v = 0; v < 6; ++v) {
+    // The logits rules: no pre function (bits equal for every post function) and softmax -> normalize
+    // (ids equal, weights within 1e-6 relative), no bias. Flat-top rows reach the softmax rows' p test.
+    for (int E : {32, 64, 128, 160, 256, 512}) {
+      for (int K : {1, 2, 4, 8}) {
+        for (int rep = 0; rep < 5; ++rep) {
+          Case c;
+          const PostFn posts[] = {PostFn::kSoftmax, PostFn::kNone, PostFn::kSigmoid, PostFn::kNormalize};
+          if (rep < 3) {
+            c.config = make_config(E, K, PreFn::kNone, posts[(i + rep) % 4], rep == 1 ? 2.5f : 1.0f);
+          } else {
+            c.config = make_config(E, K, PreFn::kSoftmax, PostFn::kNormalize, rep == 3 ? 1.0f : 2.5f);
+            c.weight_tol = 1e-6f;
+          }
+          c.T = ts[i % 6];
+          c.kind = rep == 4 ? Kind::kFlatTop : rep == 2 ? Kind::kNearTied : kinds[i % 9];
+          if (c.kind == Kind::kHiddenInBucket && E < 128) c.kind = Kind::kNearTied;
+          c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+          c.extra_stride = (i % 5 == 3) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
+          c.base_offset = (i % 7 == 4) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
+          if (!check_aligned(c, i)) return;
+        }
+      }
+    }
+    // Not served: fp16 logits, rows off 16 bytes, E % 32 != 0, K > 8, 5 kept groups, groups of 16;
+    // softmax -> none, no pre function with a bias, sigmoid without one.
+    for (int v = 0; v < 9; ++v) {
       Case c;
       c.config = make_config(v == 2 ? 200 : 256, v == 3 ? 9 : 8, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
-      c.bias = true;
+      c.bias = v != 6 && v != 8;
+      if (v == 6) c.config = make_config(256, 8, PreFn::kSoftmax, PostFn::kNone, 1.0f);
+      if (v == 7) c.config.pre = PreFn::kNone;
       c.T = 301;
       c.kind = kinds[i % 9];
       if (v == 0) c.logits_dtype = DType::kFloat16;
@@ -1180,13 +1249,20 @@ TEST(RoutingCuda, StagedRows) {
       if (HasFatalFailure()) return;
     }
   }
-  // The default: deepseek-v3 and kimi-k2 at kStagedMinTokens (32768) rows.
-  for (const char* name : {"deepseek-v3", "kimi-k2"}) {
-    ModelPreset m;
-    ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
+  // The default at kStagedMinTokens (32768) rows: deepseek-v3, kimi-k2, qwen3-235b-a22b, gpt-oss-120b,
+  // and softmax -> normalize at E = 256 (the bench's softmax-e256-k8).
+  for (const char* name : {"deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "gpt-oss-120b", "softmax-e256-k8"}) {
     Case c;
-    c.config = m.routing;
-    c.bias = true;
+    const std::string n = name;
+    if (n == "softmax-e256-k8") {
+      c.config = make_config(256, 8, PreFn::kSoftmax, PostFn::kNormalize, 1.0f);
+      c.weight_tol = 1e-6f;
+    } else {
+      ModelPreset m;
+      ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
+      c.config = m.routing;
+      c.bias = m.has_bias;
+    }
     c.T = 32768;
     c.kind = kinds[i % 9];
     c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;

@@ -83,6 +83,30 @@ __device__ __forceinline__ void store_pack(T* dst, const T (&x)[N]) {
   }
 }
 
+// Step 6 of a row routed in one thread: its K ids be and weights w (rank order). One or two 8- /
+// 16-byte stores each for int32 ids and fp32 weights when K == kK and the arrays are aligned (a
+// row's K values are then aligned too); else one store per value.
+template <int kK>
+__device__ __forceinline__ void store_thread_outputs(const RouteParams& p, std::int64_t row, int K,
+                                                     const float (&w)[kK], const int (&be)[kK]) {
+  using namespace dev;
+  const std::int64_t out = row * K;
+  constexpr unsigned kPackBytes = 4 * kK < 16 ? 4 * kK : 16;
+  const auto aligned = [&](const void* ptr) {
+    return ptr == nullptr || reinterpret_cast<std::uintptr_t>(ptr) % kPackBytes == 0;
+  };
+  if (K == kK && !p.ids_int64 && !p.weights_bf16 && aligned(p.topk_ids) && aligned(p.topk_weights)) {
+    if (p.topk_ids != nullptr) store_pack<kK>(static_cast<std::int32_t*>(p.topk_ids) + out, be);
+    if (p.topk_weights != nullptr) store_pack<kK>(static_cast<float*>(p.topk_weights) + out, w);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kK; ++k) {
+    if (k >= K) break;  // uniform
+    store_pick(p, out + k, be[k], w[k]);
+  }
+}
+
 // Steps 5 (its second half) and 6 of a row routed in one thread (route_row_thread, route_staged.cuh):
 // the weights of the picks from their p (finish_row's arithmetic, one thread holding every pick; the
 // post function sums in k order), then the outputs. fin[k]: pick k < K has a finite selection score;
@@ -109,24 +133,7 @@ __device__ __forceinline__ void store_thread_row(const RouteParams& p, std::int6
     for (int k = 0; k < kK; ++k) sum = __fadd_rn(sum, fin[k] ? pv[k] : 0.0f);
   }
   post_weights_from_sum<kK>(p.post, fin, pv, term, sum, p.scale, w);
-
-  // 6. Outputs: one or two 8- / 16-byte stores each for int32 ids and fp32 weights when K == kK and
-  // the arrays are aligned (a row's K values are then aligned too); else one store per value.
-  const std::int64_t out = row * K;
-  constexpr unsigned kPackBytes = 4 * kK < 16 ? 4 * kK : 16;
-  const auto aligned = [&](const void* ptr) {
-    return ptr == nullptr || reinterpret_cast<std::uintptr_t>(ptr) % kPackBytes == 0;
-  };
-  if (K == kK && !p.ids_int64 && !p.weights_bf16 && aligned(p.topk_ids) && aligned(p.topk_weights)) {
-    if (p.topk_ids != nullptr) store_pack<kK>(static_cast<std::int32_t*>(p.topk_ids) + out, be);
-    if (p.topk_weights != nullptr) store_pack<kK>(static_cast<float*>(p.topk_weights) + out, w);
-    return;
-  }
-#pragma unroll
-  for (int k = 0; k < kK; ++k) {
-    if (k >= K) break;  // uniform
-    store_pick(p, out + k, be[k], w[k]);
-  }
+  store_thread_outputs<kK>(p, row, K, w, be);
 }
 
 // Steps 5 and 6 of route_row_thread from the picks' keys bk and experts be (rank order): p of a pick

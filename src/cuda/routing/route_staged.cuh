@@ -84,17 +84,38 @@ struct StagedLayout {
 using StagedRedoShape = RouteShape<32, 4, 2>;
 static_assert(StagedRedoShape::kMaxExperts >= 512, "the redo shape holds every staged row");
 
-// Whether the staged kernels can serve p: sigmoid with an fp32 bias (aligned), fp32 or bf16 logits
-// whose rows start on 16 bytes, E a multiple of 32 up to 512, K <= 8, no group limit or groups of 32
+// The rules the staged kernels serve, by what a row's selection keys are made of.
+enum class StagedRule {
+  kSigmoidBias,   // sigmoid with an fp32 bias (aligned): keys of canonical(sigmoid(s) + bias)
+  kLogits,        // no pre function, no bias, any post function: keys of the logits
+  kSoftmaxPicks,  // softmax -> normalize, no bias: keys of the logits, weights from the picks (step 5)
+};
+
+// The staged rule for p's pre function, bias and post function, if one serves them (groups: only with
+// kSigmoidBias).
+inline bool staged_rule_of(const RouteParams& p, StagedRule* rule) {
+  if (p.pre == PreFn::kSigmoid && p.bias != nullptr && p.bias_dtype == static_cast<int>(DType::kFloat32) &&
+      p.bias_vec) {
+    *rule = StagedRule::kSigmoidBias;
+    return true;
+  }
+  if (p.bias != nullptr || p.group_path != kGroupNone) return false;
+  if (p.pre == PreFn::kNone) *rule = StagedRule::kLogits;
+  else if (p.pre == PreFn::kSoftmax && p.post == PostFn::kNormalize) *rule = StagedRule::kSoftmaxPicks;
+  else return false;
+  return true;
+}
+
+// Whether the staged kernels can serve p: a staged rule (staged_rule_of), fp32 or bf16 logits whose
+// rows start on 16 bytes, E a multiple of 32 up to 512, K <= 8, no group limit or groups of 32
 // experts (score of at most two, topk_group <= 4).
 inline bool staged_fits(const RouteParams& p) {
   const bool f32 = p.logits_dtype == static_cast<int>(DType::kFloat32);
   if (!f32 && p.logits_dtype != static_cast<int>(DType::kBFloat16)) return false;
   const std::int64_t pitch = p.row_stride * (f32 ? 4 : 2);
   if (reinterpret_cast<std::uintptr_t>(p.logits) % 16 != 0 || pitch % 16 != 0) return false;
-  if (p.pre != PreFn::kSigmoid || p.bias == nullptr || p.bias_dtype != static_cast<int>(DType::kFloat32) ||
-      !p.bias_vec)
-    return false;
+  StagedRule rule;
+  if (!staged_rule_of(p, &rule)) return false;
   if (p.num_experts % kStagedChunk != 0 || p.num_experts > kStagedMaxExperts) return false;
   if (p.top_k < 1 || p.top_k > kStagedTopK) return false;
   // The redo's shared memory: in the warp's stages (StagedLayout<bf16>::kWarpBytes, the smaller).
@@ -139,8 +160,9 @@ using ::switchyard::detail::sort8;
 // Routes the 32 rows first_row .. first_row + 31 of p (lane l: row first_row + l; rows >= T read row
 // T - 1 and write nothing) in the calling warp (all 32 lanes, converged). stages: the warp's
 // StagedLayout::kWarpBytes of shared memory (16-byte aligned); bias: the E bias values in shared
-// memory. kGroups: groups of 32 experts (staged_fits); else no group limit.
-template <DType kDtype, bool kGroups>
+// memory (kSigmoidBias). kGroups: groups of 32 experts (staged_fits; kSigmoidBias only); else no group
+// limit.
+template <DType kDtype, StagedRule kRule, bool kGroups>
 __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int64_t first_row,
                                                   unsigned char* stages, const float* bias) {
   using namespace dev;
@@ -235,25 +257,32 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       }
     }
     __syncwarp();  // every lane has read stage c & 1 before chunk c + 2 is copied into it
-    float mx = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
-    if (mx <= 86.5f) {
-#pragma unroll
-      for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_fast(v[j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_pre(v[j]);
-    }
     std::uint32_t key[kStagedChunk];
-    const float* bc = bias + c * kStagedChunk;
+    if constexpr (kRule == StagedRule::kSigmoidBias) {
+      float mx = 0.0f;
 #pragma unroll
-    for (int m = 0; m < kStagedChunk / 4; ++m) {
-      const float4 b = *reinterpret_cast<const float4*>(bc + 4 * m);
-      key[4 * m] = canonical_key(__fadd_rn(v[4 * m], b.x));
-      key[4 * m + 1] = canonical_key(__fadd_rn(v[4 * m + 1], b.y));
-      key[4 * m + 2] = canonical_key(__fadd_rn(v[4 * m + 2], b.z));
-      key[4 * m + 3] = canonical_key(__fadd_rn(v[4 * m + 3], b.w));
+      for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
+      if (mx <= 86.5f) {
+#pragma unroll
+        for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_fast(v[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_pre(v[j]);
+      }
+      const float* bc = bias + c * kStagedChunk;
+#pragma unroll
+      for (int m = 0; m < kStagedChunk / 4; ++m) {
+        const float4 b = *reinterpret_cast<const float4*>(bc + 4 * m);
+        key[4 * m] = canonical_key(__fadd_rn(v[4 * m], b.x));
+        key[4 * m + 1] = canonical_key(__fadd_rn(v[4 * m + 1], b.y));
+        key[4 * m + 2] = canonical_key(__fadd_rn(v[4 * m + 2], b.z));
+        key[4 * m + 3] = canonical_key(__fadd_rn(v[4 * m + 3], b.w));
+      }
+    } else {
+      // Softmax is monotone, so the logits order the experts as p does, except where two logits
+      // round to one p; kSoftmaxPicks tests that below (step 4).
+#pragma unroll
+      for (int j = 0; j < kStagedChunk; ++j) key[j] = canonical_key(v[j]);
     }
     // 2. The group's score: its two largest full keys (with multiplicity), by a tree.
     float score = 0.0f;
@@ -337,52 +366,108 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     if (k == K - 1) kth = run[k];
     if (k == K) after = run[k];
   }
-  // Rows whose packed selection may not be exact are routed again, one at a time, by the whole warp
+  bool redo = row <= last && ((kth ^ after) & ~index_mask) == 0;
+  int e[kStagedTopK];
+#pragma unroll
+  for (int k = 0; k < kStagedTopK; ++k) e[k] = static_cast<int>(index_mask - (run[k] & index_mask));
+
+  // The picks' p (kSoftmaxPicks: the logits) and full keys, from their logits; picks of one bucket
+  // into key order.
+  float pv[kStagedTopK];
+  std::uint32_t fk[kStagedTopK];
+  const auto load_picks = [&]() {
+    bool sorted = true;
+#pragma unroll
+    for (int k = 0; k < kStagedTopK; ++k) {
+      const float s = load_one(row_ptr, static_cast<int>(kDtype), e[k]);
+      if constexpr (kRule == StagedRule::kSigmoidBias) {
+        pv[k] = sigmoid_pre(s);
+        fk[k] = canonical_key(__fadd_rn(pv[k], bias[e[k]]));
+      } else {
+        pv[k] = s;
+        fk[k] = canonical_key(s);
+      }
+      if (k > 0 && k < K && fk[k] > fk[k - 1]) sorted = false;
+    }
+    if (!sorted) {
+      // Odd-even transposition sort of the K picks by (key desc, expert asc), static indices: rare.
+#pragma unroll 1
+      for (int pass = 0; pass < kStagedTopK; ++pass) {
+#pragma unroll
+        for (int k = 0; k + 1 < kStagedTopK; ++k) {
+          const bool swap = (k & 1) == (pass & 1) && k + 1 < K &&
+                            (fk[k + 1] > fk[k] || (fk[k + 1] == fk[k] && e[k + 1] < e[k]));
+          const std::uint32_t tk = fk[k];
+          fk[k] = swap ? fk[k + 1] : fk[k];
+          fk[k + 1] = swap ? tk : fk[k + 1];
+          const int te = e[k];
+          e[k] = swap ? e[k + 1] : e[k];
+          e[k + 1] = swap ? te : e[k + 1];
+          const float tp = pv[k];
+          pv[k] = swap ? pv[k + 1] : pv[k];
+          pv[k + 1] = swap ? tp : pv[k + 1];
+        }
+      }
+    }
+  };
+  // kSoftmaxPicks: the oracle ranks by p = exp(s - m) / sum (m: the row's largest finite logit), which
+  // is non-decreasing in s but can be equal for unequal logits, and then ranks the lower expert first.
+  // t[k] = exp(s_k - m) with m = s of the first pick. The logits' order is the oracle's when the picks
+  // are finite, t of the K-th pick is not tiny (its p is then a normal number, as sum <= E), every
+  // finite logit left out has t at least a factor 1 + 2^-18 below it (exp_any is within an ulp or so of
+  // exp, and the rounding of s - m and of the division is monotone: every such p is then below the
+  // K-th's), and so has any pick whose successor in the order is a lower expert with a smaller logit.
+  // Otherwise the row is done again exactly.
+  float t[kStagedTopK];
+  if constexpr (kRule == StagedRule::kSoftmaxPicks) {
+    load_picks();
+    const float after_s = load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
+    const float m = pv[0];
+    constexpr float kMargin = 1.0f + 0x1p-18f;
+    bool doubt = !finite(m);
+#pragma unroll
+    for (int k = 0; k < kStagedTopK; ++k) {
+      t[k] = k < K ? exp_any(__fadd_rn(pv[k], -m)) : 0.0f;
+      if (k == K - 1) doubt = doubt || !finite(pv[k]) || t[k] < 0x1p-100f;
+      if (k > 0 && k < K)
+        doubt = doubt || (fk[k] != fk[k - 1] && e[k] < e[k - 1] && !(t[k - 1] > __fmul_rn(t[k], kMargin)));
+    }
+    float t_kth = t[0];
+#pragma unroll
+    for (int k = 1; k < kStagedTopK; ++k) t_kth = k == K - 1 ? t[k] : t_kth;
+    // A left-out -inf or NaN has no p the oracle compares (it ranks below every finite one).
+    if (finite(after_s)) doubt = doubt || !(t_kth > __fmul_rn(exp_any(__fadd_rn(after_s, -m)), kMargin));
+    redo = redo || (row <= last && doubt);
+  }
+
+  // Rows whose selection may not be exact are routed again, one at a time, by the whole warp
   // (route_warp on the stages' memory, which the chunks no longer need), and are done.
-  const bool redo = row <= last && ((kth ^ after) & ~index_mask) == 0;
   for (unsigned m = __ballot_sync(kFullMask, redo); m != 0; m &= m - 1) {
     route_warp<StagedRedoShape>(p, first_row + (__ffs(m) - 1), stages, nullptr);
     __syncwarp();  // the next redo writes the shared memory this one's lanes read
   }
   if (redo || row > last) return;
-  int e[kStagedTopK];
-#pragma unroll
-  for (int k = 0; k < kStagedTopK; ++k) e[k] = static_cast<int>(index_mask - (run[k] & index_mask));
 
-  // The picks' p and full keys from their logits; picks of one bucket into key order.
-  float pv[kStagedTopK];
-  std::uint32_t fk[kStagedTopK];
-  bool sorted = true;
+  if constexpr (kRule == StagedRule::kSoftmaxPicks) {
+    // 5. Weights: softmax -> normalize gives w_k = p_k / sum of the picks' p = t_k / sum of the picks' t
+    // (times scale; the oracle's + 1e-20 is below an ulp of that sum, which is >= 1 / E), computed here
+    // in fp64 and rounded once: within (K + 4) fp32 ulps of the oracle's rounded fp32 steps (< 1e-6
+    // relative for K <= 8), not its bits. The ids are exact.
+    double sum = 0.0;
 #pragma unroll
-  for (int k = 0; k < kStagedTopK; ++k) {
-    pv[k] = sigmoid_pre(load_one(row_ptr, static_cast<int>(kDtype), e[k]));
-    fk[k] = canonical_key(__fadd_rn(pv[k], bias[e[k]]));
-    if (k > 0 && k < K && fk[k] > fk[k - 1]) sorted = false;
+    for (int k = 0; k < kStagedTopK; ++k) sum += k < K ? static_cast<double>(t[k]) : 0.0;
+    const double f = static_cast<double>(p.scale) / sum;
+    float w[kStagedTopK];
+#pragma unroll
+    for (int k = 0; k < kStagedTopK; ++k) w[k] = static_cast<float>(static_cast<double>(t[k]) * f);
+    store_thread_outputs<kStagedTopK>(p, row, K, w, e);
+  } else {
+    load_picks();
+    bool fin[kStagedTopK];
+#pragma unroll
+    for (int k = 0; k < kStagedTopK; ++k) fin[k] = k < K && key_finite(fk[k]);
+    store_thread_row<kStagedTopK>(p, row, K, fin, pv, e);
   }
-  if (!sorted) {
-    // Odd-even transposition sort of the K picks by (key desc, expert asc), static indices: rare.
-#pragma unroll 1
-    for (int pass = 0; pass < kStagedTopK; ++pass) {
-#pragma unroll
-      for (int k = 0; k + 1 < kStagedTopK; ++k) {
-        const bool swap = (k & 1) == (pass & 1) && k + 1 < K &&
-                          (fk[k + 1] > fk[k] || (fk[k + 1] == fk[k] && e[k + 1] < e[k]));
-        const std::uint32_t tk = fk[k];
-        fk[k] = swap ? fk[k + 1] : fk[k];
-        fk[k + 1] = swap ? tk : fk[k + 1];
-        const int te = e[k];
-        e[k] = swap ? e[k + 1] : e[k];
-        e[k + 1] = swap ? te : e[k + 1];
-        const float tp = pv[k];
-        pv[k] = swap ? pv[k + 1] : pv[k];
-        pv[k + 1] = swap ? tp : pv[k + 1];
-      }
-    }
-  }
-  bool fin[kStagedTopK];
-#pragma unroll
-  for (int k = 0; k < kStagedTopK; ++k) fin[k] = k < K && key_finite(fk[k]);
-  store_thread_row<kStagedTopK>(p, row, K, fin, pv, e);
 }
 
 }  // namespace switchyard::cuda::routing

@@ -550,51 +550,66 @@ Status launch_route_rows_for(const RouteParams& p, cudaStream_t stream) {
   });
 }
 
-// Staged rows (route_staged.cuh): one thread a row through shared memory, for sigmoid + fp32 bias
-// rows (any post function) without a group limit or with groups of 32 experts, fp32 and bf16
-// logits; parameters of the rule fixed as in a Spec. 128-thread blocks, 4 per SM at most 128
-// registers. The block first copies the bias into shared memory.
-template <DType kDtype, bool kGroups>
+// Staged rows (route_staged.cuh): one thread a row through shared memory, for the staged rules (sigmoid
+// + fp32 bias rows, any post function, without a group limit or with groups of 32 experts; rows of
+// logits without a pre function or bias, any post function; softmax -> normalize without a bias),
+// fp32 and bf16 logits; parameters of the rule fixed as in a Spec. 128-thread blocks, 4 per SM at most
+// 128 registers. With a bias the block first copies it into shared memory.
+template <DType kDtype, routing::StagedRule kRule, bool kGroups>
 __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_kernel(const RouteParams p0) {
   using Layout = routing::StagedLayout<kDtype>;
+  using routing::StagedRule;
   pdl_wait();  // before any global access (launch.cuh PDL contract)
   pdl_launch_dependents();
   RouteParams p = p0;
   p.logits_dtype = static_cast<int>(kDtype);
   p.logits_vec = 1;
-  p.pre = PreFn::kSigmoid;
-  p.bias_dtype = static_cast<int>(DType::kFloat32);
-  p.bias_vec = 1;
   p.group_path = kGroups ? routing::kGroupChunks : routing::kGroupNone;
   extern __shared__ __align__(16) unsigned char staged_smem[];
   float* bias = reinterpret_cast<float*>(staged_smem);
-  for (int i = static_cast<int>(threadIdx.x); i < p.num_experts / 4; i += static_cast<int>(blockDim.x))
-    reinterpret_cast<float4*>(bias)[i] = __ldg(static_cast<const float4*>(p.bias) + i);
-  __syncthreads();
+  if constexpr (kRule == StagedRule::kSigmoidBias) {
+    p.pre = PreFn::kSigmoid;
+    p.bias_dtype = static_cast<int>(DType::kFloat32);
+    p.bias_vec = 1;
+    for (int i = static_cast<int>(threadIdx.x); i < p.num_experts / 4; i += static_cast<int>(blockDim.x))
+      reinterpret_cast<float4*>(bias)[i] = __ldg(static_cast<const float4*>(p.bias) + i);
+    __syncthreads();
+  } else {
+    p.pre = kRule == StagedRule::kLogits ? PreFn::kNone : PreFn::kSoftmax;
+    p.bias = nullptr;
+    if constexpr (kRule == StagedRule::kSoftmaxPicks) p.post = PostFn::kNormalize;
+  }
   const int warp = static_cast<int>(threadIdx.x >> 5);
   const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * routing::kStagedWarps + warp) * 32;
   if (first_row >= p.num_tokens) return;  // whole warp: no barrier follows
-  routing::route_staged_warp<kDtype, kGroups>(
+  routing::route_staged_warp<kDtype, kRule, kGroups>(
       p, first_row, staged_smem + Layout::kBiasBytes + warp * Layout::kWarpBytes, bias);
 }
 
 // The staged kernel for p (routing::staged_fits).
 Status launch_route_staged(const RouteParams& p, cudaStream_t stream) {
+  using routing::StagedRule;
   const std::int64_t rows_per_block = 32 * routing::kStagedWarps;
   const std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
   if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
-  const auto launch = [&](auto dtype, auto groups) {
-    constexpr DType kDtype = decltype(dtype)::value;
-    return launch_kernel("route: staged kernel launch", route_staged_kernel<kDtype, decltype(groups)::value>,
-                         dim3(static_cast<unsigned>(blocks)), dim3(rows_per_block),
-                         routing::StagedLayout<kDtype>::kBlockBytes, stream, /*pdl=*/true, p);
-  };
+  StagedRule rule = StagedRule::kSigmoidBias;
+  routing::staged_rule_of(p, &rule);
   const bool groups = p.group_path != routing::kGroupNone;
-  using F32 = std::integral_constant<DType, DType::kFloat32>;
-  using Bf16 = std::integral_constant<DType, DType::kBFloat16>;
+  const auto launch = [&](auto dtype) {
+    constexpr DType kDtype = decltype(dtype)::value;
+    const auto go = [&](auto kernel) {
+      return launch_kernel("route: staged kernel launch", kernel, dim3(static_cast<unsigned>(blocks)),
+                           dim3(rows_per_block), routing::StagedLayout<kDtype>::kBlockBytes, stream,
+                           /*pdl=*/true, p);
+    };
+    if (rule == StagedRule::kLogits) return go(route_staged_kernel<kDtype, StagedRule::kLogits, false>);
+    if (rule == StagedRule::kSoftmaxPicks) return go(route_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>);
+    return groups ? go(route_staged_kernel<kDtype, StagedRule::kSigmoidBias, true>)
+                  : go(route_staged_kernel<kDtype, StagedRule::kSigmoidBias, false>);
+  };
   if (p.logits_dtype == static_cast<int>(DType::kFloat32))
-    return groups ? launch(F32{}, std::true_type{}) : launch(F32{}, std::false_type{});
-  return groups ? launch(Bf16{}, std::true_type{}) : launch(Bf16{}, std::false_type{});
+    return launch(std::integral_constant<DType, DType::kFloat32>{});
+  return launch(std::integral_constant<DType, DType::kBFloat16>{});
 }
 
 }  // namespace

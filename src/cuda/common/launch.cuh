@@ -7,6 +7,8 @@
 //     kernel and carries cudaGetErrorString on failure; launch_kernel_with() adds a
 //     thread-block cluster dimension or a cooperative launch (launch_attributes() builds the
 //     attributes).
+//   * set_attribute_at_least<kernel, attribute>(value): a per-device cached cudaFuncSetAttribute
+//     (an opt-in to more than 48 KB of shared memory, say).
 //   * dispatch_value<V...>(name, value, f): runtime int -> template constant. Calls
 //     f(std::integral_constant<int, V>{}) for the matching V and returns its Status, or
 //     Unsupported("<name> = 7 is not supported; supported values: 1, 2, 4") on a miss. Replaces
@@ -24,6 +26,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -177,6 +180,30 @@ Status launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid,
                      std::size_t smem_bytes, cudaStream_t stream, bool pdl, Args&&... args) {
   return launch_kernel_with(name, kernel, grid, block, smem_bytes, stream, pdl, 0u, false,
                             std::forward<Args>(args)...);
+}
+
+constexpr int kMaxDevicesCached = 64;
+
+// Sets a kernel attribute whose larger values include the smaller ones (a shared-memory size, a
+// 0/1 permission) to at least `value` on the current device, remembering per device the largest
+// value set so far (a host-side cache: the attribute call does not repeat on every launch).
+// kKernel is a template argument so that each kernel has its own cache (kernels of one signature,
+// such as every layout kernel, would share a cache keyed by signature).
+template <auto kKernel, cudaFuncAttribute kAttribute>
+cudaError_t set_attribute_at_least(int value) {
+  static std::atomic<int> granted[kMaxDevicesCached];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cacheable = device >= 0 && device < kMaxDevicesCached;
+  if (cacheable && granted[device].load(std::memory_order_relaxed) >= value) return cudaSuccess;
+  err = cudaFuncSetAttribute(kKernel, kAttribute, value);
+  if (err == cudaSuccess && cacheable) {
+    int seen = granted[device].load(std::memory_order_relaxed);
+    while (seen < value && !granted[device].compare_exchange_weak(seen, value)) {
+    }
+  }
+  return err;
 }
 
 // Runtime value -> compile-time constant; see the file comment.

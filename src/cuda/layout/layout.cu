@@ -179,30 +179,6 @@ LayoutParams make_params(const detail::LayoutArgs& a) {
 // Kernels whose static + dynamic shared memory may pass the 48 KB default need an opt-in per
 // device; below this many dynamic bytes every layout kernel stays under it (static <= 36 KB).
 constexpr std::size_t kDynamicSmemWithoutOptIn = 8 * 1024;
-constexpr int kMaxDevicesCached = 64;
-
-// Sets a kernel attribute whose larger values include the smaller ones (a shared-memory size, a
-// 0/1 permission) to at least `value` on the current device, remembering per device the largest
-// value set so far (a host-side cache: the attribute call does not repeat on every launch).
-// kKernel is a template argument so that each kernel has its own cache (every layout kernel has
-// the same signature, so a cache keyed by signature would be shared).
-template <auto kKernel, cudaFuncAttribute kAttribute>
-cudaError_t set_attribute_at_least(int value) {
-  static std::atomic<int> granted[kMaxDevicesCached];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cacheable = device >= 0 && device < kMaxDevicesCached;
-  if (cacheable && granted[device].load(std::memory_order_relaxed) >= value) return cudaSuccess;
-  err = cudaFuncSetAttribute(kKernel, kAttribute, value);
-  if (err == cudaSuccess && cacheable) {
-    int seen = granted[device].load(std::memory_order_relaxed);
-    while (seen < value && !granted[device].compare_exchange_weak(seen, value)) {
-    }
-  }
-  return err;
-}
-
 template <auto kKernel>
 cudaError_t allow_dynamic_smem(std::size_t bytes) {
   if (bytes <= kDynamicSmemWithoutOptIn) return cudaSuccess;

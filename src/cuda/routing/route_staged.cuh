@@ -1,23 +1,28 @@
-// Staged rows: one thread per row for sigmoid + bias rows at large T (DESIGN.md section 2), the
-// rule of DeepSeek-V3 (groups of 32 experts), Kimi-K2 and GLM-4.5. Same contract and bits as
-// route_warp (route_warp.cuh), whose device arithmetic it calls.
+// Staged rows: one thread per row at large T (DESIGN.md section 2) for three rule families
+// (StagedRule): sigmoid + bias (DeepSeek-V3 with its groups of 32 experts, Kimi-K2, GLM-4.5), logits
+// without a pre function (Qwen3, gpt-oss, Llama 4), and softmax -> normalize. Same contract and bits as
+// route_warp (route_warp.cuh), whose device arithmetic it calls, except for the weights of
+// softmax -> normalize rows (step 5).
 //
 // Why: route_warp gives a row a whole warp. At T = 65536 it is bound by instruction issue, and
 // most of a row's ~830 warp instructions (deepseek-v3, ncu, session 16) serve only that row: the
 // group limit, the K top-K rounds, the weights. Here every warp instruction serves 32 rows, and a
-// row's work is the per-expert arithmetic (the oracle's exp and division, ~20 instructions) and a
-// sorting network (~10 per expert). Rows come through shared memory: a warp stages 32 experts of
-// its 32 rows at a time with cp.async (coalesced 128-byte row pieces, double-buffered), and each
-// lane reads its own row from there (rows padded by 16 bytes: conflict-free 16-byte reads). A
-// lane's loads straight from global memory would touch 32 lines per instruction. (An earlier
-// thread-per-row kernel staged 32 whole rows per warp, which left 3-7 warps per SM; session 13.)
+// row's work is the per-expert arithmetic (for sigmoid: the oracle's exp and division, ~20
+// instructions; else none) and a sorting network (~10 per expert). Rows come through shared memory:
+// a warp stages 32 experts of its 32 rows at a time with cp.async (coalesced 128-byte row pieces, a
+// ring of kStages stages so that several chunks are in flight), and each lane reads its own row from
+// there (swizzled pieces: conflict-free 16-byte reads). A lane's loads straight from global memory
+// would touch 32 lines per instruction. (An earlier thread-per-row kernel staged 32 whole rows per
+// warp, which left 3-7 warps per SM; session 13.)
 //
 // A row, in one thread, chunk by chunk (32 experts; E % 32 == 0):
-//   1. p = sigmoid(logit) (exact: the fast path when every |logit| of the chunk is <= 86.5), the
-//      selection key of q = canonical(p + bias) (route_warp's ordered 32-bit keys), and its packed
-//      key: the key with its low bits (as many as E - 1 needs) replaced by the inverted expert
-//      index, so that packed keys order by (bucket desc, expert asc), the oracle's order unless two
-//      keys share a bucket (see 4).
+//   1. Selection keys (route_warp's ordered 32-bit keys): of q = canonical(sigmoid(logit) + bias)
+//      (the exact sigmoid: its fast path when every |logit| of the chunk is <= 86.5), or of the logit
+//      itself (softmax is monotone; see 4 for where it is not strictly so). Then the packed key: the
+//      key with its low bits (as many as E - 1 needs) replaced by the inverted expert index, so that
+//      packed keys order by (bucket desc, expert asc), the oracle's order unless two keys share a
+//      bucket (see 4). bf16 logits keyed as they are lose nothing (their keys' low 16 bits are
+//      constant): exact.
 //   2. Group limit (groups of exactly one chunk): the group's score from the two largest full keys
 //      (a max / second-max tree: exact, as the oracle's sum of the two best q), and the best
 //      topk_group groups so far (score desc, group asc: a later group displaces the worst kept one
@@ -33,8 +38,12 @@
 //      exactly from global memory would run a serial chain of E loads: at T = 65536 the slowest
 //      warps then set the call's time (100 us against 57 for deepseek-v3; session 30). The picks'
 //      p and full keys are recomputed from their logits (p is needed for the weights anyway), and
-//      picks of one bucket are put in key order.
-//   5. Weights and outputs: route_rows.cuh's store_thread_row.
+//      picks of one bucket are put in key order. Softmax rows are also redone where unequal logits
+//      could round to one p (the oracle ranks those by expert): the test is in the code.
+//   5. Weights and outputs: route_rows.cuh's store_thread_row, the oracle's arithmetic. Softmax ->
+//      normalize rows: w = exp(s - m) / (sum of the picks' exp(s - m)) * scale in fp64, one rounding
+//      (the oracle's full softmax cancels out of its normalisation; its sum over all E experts would
+//      cost every expert an exact exp). Within 1e-6 relative of the oracle's weights, not their bits.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -65,19 +74,25 @@ inline constexpr int kStagedWarps = 4;      // warps a block
 inline constexpr std::int64_t kStagedMinTokens = 32768;
 inline constexpr int kStagedAutoMaxExperts = 256;
 
-// Shared memory of the staged kernels: the bias (E floats), then per warp two stages of 32 rows'
-// chunks, each row piece padded to kPitch bytes.
+// Shared memory of the staged kernels: the bias (E floats), then per warp kStages stages of 32 rows'
+// chunks (a ring: chunks c + 1 .. c + kStages - 1 are in flight while chunk c is worked on; 48 KB of
+// stages a block, 4 blocks an SM). A row's chunk is its 16-byte pieces, piece m at position
+// piece_at(r, m): swizzled so that the 8 lanes of one 128-byte phase of a 16-byte read (8 rows, or 4
+// pairs of bf16 rows) hit distinct banks.
 template <DType kDtype>
 struct StagedLayout {
   static constexpr int kElem = kDtype == DType::kFloat32 ? 4 : 2;
   static constexpr int kChunkBytes = kStagedChunk * kElem;
-  static constexpr int kPitch = kChunkBytes + 16;  // lanes 8 apart in distinct banks
-  static constexpr int kStageBytes = 32 * kPitch;
   static constexpr int kPieces = kChunkBytes / 16;  // 16-byte copies a lane issues per chunk
   static constexpr int kRowsPerCopy = 32 / kPieces;
+  static constexpr int kStageBytes = 32 * kChunkBytes;
+  static constexpr int kStages = kDtype == DType::kFloat32 ? 3 : 6;
   static constexpr std::size_t kBiasBytes = std::size_t{4} * kStagedMaxExperts;
-  static constexpr std::size_t kWarpBytes = std::size_t{2} * kStageBytes;
+  static constexpr std::size_t kWarpBytes = std::size_t{kStages} * kStageBytes;
   static constexpr std::size_t kBlockBytes = kBiasBytes + kStagedWarps * kWarpBytes;
+  __host__ __device__ static constexpr int piece_at(int r, int m) {
+    return m ^ ((r / (8 / kPieces)) % kPieces);
+  }
 };
 
 // The whole-warp shape that routes a row again where its packed selection may not be exact.
@@ -145,8 +160,11 @@ __device__ __forceinline__ void cp_async16(unsigned smem_addr, const void* gptr)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gptr) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most one committed group of the calling thread is pending.
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+// Waits until at most kPending committed groups of the calling thread are pending.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 __device__ __forceinline__ void prefetch_line_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
@@ -186,7 +204,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       const int r = L::kRowsPerCopy * i + lane / L::kPieces;
       const std::int64_t g = first_row + r < last ? first_row + r : last;
       const int piece = lane % L::kPieces;
-      cp_async16(stage_base + s * L::kStageBytes + r * L::kPitch + 16 * piece,
+      cp_async16(stage_base + s * L::kStageBytes + r * L::kChunkBytes + 16 * L::piece_at(r, piece),
                  logits + g * pitch + c * L::kChunkBytes + 16 * piece);
     }
   };
@@ -217,10 +235,16 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     }
   }
 
-  issue(0, 0);
-  cp_async_commit();
+  // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty).
+#pragma unroll
+  for (int c = 0; c + 1 < L::kStages; ++c) {
+    if (c < chunks) issue(c, c);
+    cp_async_commit();
+  }
+  int stage = 0;                   // chunk c's
+  int ahead = L::kStages - 1;      // chunk c + kStages - 1's
   for (int c = 0; c < chunks; ++c) {
-    if (c + 1 < chunks) issue(c + 1, (c + 1) & 1);
+    if (c + L::kStages - 1 < chunks) issue(c + L::kStages - 1, ahead);
     if (c + 1 == chunks && c > 0) {
       // The picks' logits are read again at the end; by then the lines read first may have left L2
       // (fp32 at T = 65536: 67 MB). Back into L2 now, during the last chunk: the lines of the kept
@@ -235,15 +259,15 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
           prefetch_line_l2(row_ptr + static_cast<int>(index_mask - (run[k] & index_mask)) * L::kElem);
       }
     }
-    cp_async_commit();  // possibly empty: keeps "all but the newest group" = chunk c
-    cp_async_wait_one();
+    cp_async_commit();  // possibly empty: groups 0 .. c done = chunk c landed
+    cp_async_wait<L::kStages - 1>();
     __syncwarp();
     // 1. The chunk's logits (own row) and bias.
     float v[kStagedChunk];
-    const unsigned char* mine = stages + (c & 1) * L::kStageBytes + lane * L::kPitch;
+    const unsigned char* mine = stages + stage * L::kStageBytes + lane * L::kChunkBytes;
 #pragma unroll
     for (int m = 0; m < L::kPieces; ++m) {
-      const uint4 u = *reinterpret_cast<const uint4*>(mine + 16 * m);
+      const uint4 u = *reinterpret_cast<const uint4*>(mine + 16 * L::piece_at(lane, m));
       const unsigned w[4] = {u.x, u.y, u.z, u.w};
       if constexpr (kDtype == DType::kFloat32) {
 #pragma unroll
@@ -256,7 +280,9 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         }
       }
     }
-    __syncwarp();  // every lane has read stage c & 1 before chunk c + 2 is copied into it
+    __syncwarp();  // every lane has read this stage before chunk c + kStages is copied into it
+    stage = stage + 1 == L::kStages ? 0 : stage + 1;
+    ahead = ahead + 1 == L::kStages ? 0 : ahead + 1;
     std::uint32_t key[kStagedChunk];
     if constexpr (kRule == StagedRule::kSigmoidBias) {
       float mx = 0.0f;
@@ -366,7 +392,13 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     if (k == K - 1) kth = run[k];
     if (k == K) after = run[k];
   }
-  bool redo = row <= last && ((kth ^ after) & ~index_mask) == 0;
+  // bf16 logits keyed as they are (kLogits, kSoftmaxPicks): a key's low 16 bits are 0 (>= +0) or all
+  // ones (< 0), so the packed keys lose nothing and order exactly as (key desc, expert asc).
+  constexpr bool kExactPacked = kDtype == DType::kBFloat16 && kRule != StagedRule::kSigmoidBias;
+  const auto full_key = [&](std::uint32_t packed) {
+    return (packed & 0xffff0000u) | ((packed & 0x80000000u) ? 0u : 0xffffu);
+  };
+  bool redo = !kExactPacked && row <= last && ((kth ^ after) & ~index_mask) == 0;
   int e[kStagedTopK];
 #pragma unroll
   for (int k = 0; k < kStagedTopK; ++k) e[k] = static_cast<int>(index_mask - (run[k] & index_mask));
@@ -376,6 +408,15 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   float pv[kStagedTopK];
   std::uint32_t fk[kStagedTopK];
   const auto load_picks = [&]() {
+    if constexpr (kExactPacked) {
+      // p from the key, but for -0 (whose key is +0's): read the logit then.
+#pragma unroll
+      for (int k = 0; k < kStagedTopK; ++k) {
+        fk[k] = full_key(run[k]);
+        pv[k] = fk[k] == kZeroKey ? load_one(row_ptr, static_cast<int>(kDtype), e[k]) : key_score(fk[k]);
+      }
+      return;
+    }
     bool sorted = true;
 #pragma unroll
     for (int k = 0; k < kStagedTopK; ++k) {
@@ -421,7 +462,9 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   float t[kStagedTopK];
   if constexpr (kRule == StagedRule::kSoftmaxPicks) {
     load_picks();
-    const float after_s = load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
+    const float after_s =
+        kExactPacked ? key_score(full_key(after))
+                     : load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
     const float m = pv[0];
     constexpr float kMargin = 1.0f + 0x1p-18f;
     bool doubt = !finite(m);

@@ -586,6 +586,16 @@ __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_ke
       p, first_row, staged_smem + Layout::kBiasBytes + warp * Layout::kWarpBytes, bias);
 }
 
+// One staged kernel over `blocks` blocks; its shared memory passes the 48 KB default (an opt-in).
+template <auto kKernel, DType kDtype>
+Status launch_staged_kernel(const RouteParams& p, std::int64_t blocks, cudaStream_t stream) {
+  constexpr std::size_t kSmem = routing::StagedLayout<kDtype>::kBlockBytes;
+  const cudaError_t err = set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(kSmem);
+  if (err != cudaSuccess) return cuda_status("route: staged kernel shared memory", err);
+  return launch_kernel("route: staged kernel launch", kKernel, dim3(static_cast<unsigned>(blocks)),
+                       dim3(32 * routing::kStagedWarps), kSmem, stream, /*pdl=*/true, p);
+}
+
 // The staged kernel for p (routing::staged_fits).
 Status launch_route_staged(const RouteParams& p, cudaStream_t stream) {
   using routing::StagedRule;
@@ -597,15 +607,16 @@ Status launch_route_staged(const RouteParams& p, cudaStream_t stream) {
   const bool groups = p.group_path != routing::kGroupNone;
   const auto launch = [&](auto dtype) {
     constexpr DType kDtype = decltype(dtype)::value;
-    const auto go = [&](auto kernel) {
-      return launch_kernel("route: staged kernel launch", kernel, dim3(static_cast<unsigned>(blocks)),
-                           dim3(rows_per_block), routing::StagedLayout<kDtype>::kBlockBytes, stream,
-                           /*pdl=*/true, p);
-    };
-    if (rule == StagedRule::kLogits) return go(route_staged_kernel<kDtype, StagedRule::kLogits, false>);
-    if (rule == StagedRule::kSoftmaxPicks) return go(route_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>);
-    return groups ? go(route_staged_kernel<kDtype, StagedRule::kSigmoidBias, true>)
-                  : go(route_staged_kernel<kDtype, StagedRule::kSigmoidBias, false>);
+    if (rule == StagedRule::kLogits)
+      return launch_staged_kernel<route_staged_kernel<kDtype, StagedRule::kLogits, false>, kDtype>(p, blocks, stream);
+    if (rule == StagedRule::kSoftmaxPicks)
+      return launch_staged_kernel<route_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>, kDtype>(p, blocks,
+                                                                                                        stream);
+    return groups
+               ? launch_staged_kernel<route_staged_kernel<kDtype, StagedRule::kSigmoidBias, true>, kDtype>(p, blocks,
+                                                                                                         stream)
+               : launch_staged_kernel<route_staged_kernel<kDtype, StagedRule::kSigmoidBias, false>, kDtype>(p, blocks,
+                                                                                                          stream);
   };
   if (p.logits_dtype == static_cast<int>(DType::kFloat32))
     return launch(std::integral_constant<DType, DType::kFloat32>{});

@@ -62,16 +62,24 @@ inline constexpr int kStagedMaxExperts = 512;
 inline constexpr int kStagedTopK = 8;       // the lists' depth: K <= 8
 inline constexpr int kStagedMaxGroups = 4;  // topk_group <= 4
 inline constexpr int kStagedWarps = 4;      // warps a block
-// The launcher takes the staged kernels from kStagedMinTokens rows on, for rows of up to
-// kStagedAutoMaxExperts experts. Measured on the H200 (us, same call, two runs, route_warp against
+// The launcher takes the staged kernels for rows of up to kStagedAutoMaxExperts experts, from
+// kStagedMinTokens rows on (staged_min_tokens: fewer for bf16 logits without a pre function, never for
+// fp32 ones with K < 8). Sigmoid + bias, measured on the H200 (us, same call, two runs, route_warp against
 // staged; session 30, bench/results/h200_2026-12-03_s30_staged_ab.md): deepseek-v3 fp32 T = 16384 /
 // 32768 / 65536 16.9 / 30.5 / 57.3 against 21.7 / 28.7 / 46.5, bf16 16.6 / 30.6 / 58.3 against 20.9 /
 // 28.5 / 45.2; glm-4.5 (E = 160; from 32768 rows the streamed narrow segments on the other side)
 // fp32 14.3 / 22.2 / 36.3 against 15.2 / 19.3 / 31.8, bf16 14.8 / 23.3 / 38.2 against 15.1 / 19.4 /
 // 28.8; kimi-k2 (E = 384, route_warp without padding) fp32 18.1 /
 // 31.3 / 57.6 against 24.3 / 37.0 / 57.8, bf16 alike: not taken. Below 16384 rows a warp's serial
-// chain (~12k instructions a lane) is the call's time (~20 us at T = 4096).
+// chain (~12k instructions a lane) is the call's time (~20 us at T = 4096). The logits rules (session
+// 31, bench/results/h200_2026-12-03_s31_staged_logits_ab.md, route_warp against staged, fp32 / bf16 at
+// T = 16384 / 32768 / 65536): qwen3-235b-a22b (K = 8) fp32 8.1 / 12.2 / 19.9 against 8.1 / 11.1 /
+// 18.8, bf16 7.5 / 13.2 / 23.2 against 5.5 / 7.7 / 13.4; gpt-oss-120b (K = 4) fp32 6.8 / 10.1 / 17.0
+// against 7.7 / 10.8 / 18.5, bf16 6.3 / 11.3 / 20.4 against 5.3 / 7.8 / 13.4; llama4-maverick (K = 1)
+// fp32 5.1 / 8.9 / 16.1 against 6.7 / 9.7 / 17.1, bf16 5.0 / 8.6 / 16.0 against 4.8 / 6.9 / 12.4;
+// softmax-e256-k8 fp32 12.3 / 22.0 / 41.5 against 12.3 / 18.1 / 33.1.
 inline constexpr std::int64_t kStagedMinTokens = 32768;
+inline constexpr std::int64_t kStagedMinTokensBf16Logits = 16384;
 inline constexpr int kStagedAutoMaxExperts = 256;
 
 // Shared memory of the staged kernels: the bias (E floats), then per warp kStages stages of 32 rows'
@@ -147,11 +155,20 @@ using StagedChoice = KnobChoice;
 inline StagedChoice staged_knob() { return choice_knob("SWITCHYARD_ROUTE_STAGED"); }
 // Whether route() takes the staged kernels for p: before the streamed narrow segments (which they
 // beat where both fit, see above), unless SWITCHYARD_ROUTE_STREAM=1 forces those.
+// The rows from which route() takes the staged kernels for p by default (p fits; see above), or -1.
+inline std::int64_t staged_min_tokens(const RouteParams& p) {
+  StagedRule rule;
+  if (p.num_experts > kStagedAutoMaxExperts || !staged_rule_of(p, &rule)) return -1;
+  if (rule != StagedRule::kLogits) return kStagedMinTokens;
+  if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) return kStagedMinTokensBf16Logits;
+  return p.top_k >= kStagedTopK ? kStagedMinTokens : -1;
+}
 inline bool use_staged(const RouteParams& p, const RouteChoice& choice) {
   if (choice.stream == StreamChoice::kAlways) return false;
   if (choice.staged == StagedChoice::kNever || !staged_fits(p)) return false;
-  return choice.staged == StagedChoice::kAlways ||
-         (p.num_tokens >= kStagedMinTokens && p.num_experts <= kStagedAutoMaxExperts);
+  if (choice.staged == StagedChoice::kAlways) return true;
+  const std::int64_t min_tokens = staged_min_tokens(p);
+  return min_tokens >= 0 && p.num_tokens >= min_tokens;
 }
 
 namespace dev {
@@ -462,9 +479,19 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   float t[kStagedTopK];
   if constexpr (kRule == StagedRule::kSoftmaxPicks) {
     load_picks();
-    const float after_s =
-        kExactPacked ? key_score(full_key(after))
-                     : load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
+    // The best logit left out; with exact packed keys (bf16) one equal to the K-th pick's needs no test
+    // (equal p, ranked by expert as packed), so the test takes the next bf16 value below instead: no
+    // distinct logit left out is larger.
+    float after_s;
+    if constexpr (kExactPacked) {
+      std::uint32_t below = full_key(after);
+#pragma unroll
+      for (int k = 0; k < kStagedTopK; ++k)
+        if (k == K - 1 && below == fk[k]) below -= 0x10000u;
+      after_s = key_score(below);
+    } else {
+      after_s = load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
+    }
     const float m = pv[0];
     constexpr float kMargin = 1.0f + 0x1p-18f;
     bool doubt = !finite(m);

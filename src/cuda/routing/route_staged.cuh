@@ -63,8 +63,9 @@ inline constexpr int kStagedTopK = 8;       // the lists' depth: K <= 8
 inline constexpr int kStagedMaxGroups = 4;  // topk_group <= 4
 inline constexpr int kStagedWarps = 4;      // warps a block
 // The launcher takes the staged kernels for rows of up to kStagedAutoMaxExperts experts, from
-// kStagedMinTokens rows on (staged_min_tokens: fewer for bf16 logits without a pre function, never for
-// fp32 ones with K < 8). Sigmoid + bias, measured on the H200 (us, same call, two runs, route_warp against
+// kStagedMinTokens rows on (staged_min_tokens: from kStagedMinTokensBf16Logits for bf16 logits keyed
+// as they are, never for fp32 logits without a pre function and K < 8). Sigmoid + bias, measured on
+// the H200 (us, same call, two runs, route_warp against
 // staged; session 30, bench/results/h200_2026-12-03_s30_staged_ab.md): deepseek-v3 fp32 T = 16384 /
 // 32768 / 65536 16.9 / 30.5 / 57.3 against 21.7 / 28.7 / 46.5, bf16 16.6 / 30.6 / 58.3 against 20.9 /
 // 28.5 / 45.2; glm-4.5 (E = 160; from 32768 rows the streamed narrow segments on the other side)
@@ -77,7 +78,8 @@ inline constexpr int kStagedWarps = 4;      // warps a block
 // 18.8, bf16 7.5 / 13.2 / 23.2 against 5.5 / 7.7 / 13.4; gpt-oss-120b (K = 4) fp32 6.8 / 10.1 / 17.0
 // against 7.7 / 10.8 / 18.5, bf16 6.3 / 11.3 / 20.4 against 5.3 / 7.8 / 13.4; llama4-maverick (K = 1)
 // fp32 5.1 / 8.9 / 16.1 against 6.7 / 9.7 / 17.1, bf16 5.0 / 8.6 / 16.0 against 4.8 / 6.9 / 12.4;
-// softmax-e256-k8 fp32 12.3 / 22.0 / 41.5 against 12.3 / 18.1 / 33.1.
+// softmax-e256-k8 fp32 12.3 / 22.0 / 41.5 against 12.3 / 18.1 / 33.0, bf16 12.7 / 22.7 / 42.8 against
+// 8.5 / 13.0 / 26.2.
 inline constexpr std::int64_t kStagedMinTokens = 32768;
 inline constexpr std::int64_t kStagedMinTokensBf16Logits = 16384;
 inline constexpr int kStagedAutoMaxExperts = 256;
@@ -159,9 +161,9 @@ inline StagedChoice staged_knob() { return choice_knob("SWITCHYARD_ROUTE_STAGED"
 inline std::int64_t staged_min_tokens(const RouteParams& p) {
   StagedRule rule;
   if (p.num_experts > kStagedAutoMaxExperts || !staged_rule_of(p, &rule)) return -1;
-  if (rule != StagedRule::kLogits) return kStagedMinTokens;
+  if (rule == StagedRule::kSigmoidBias) return kStagedMinTokens;
   if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) return kStagedMinTokensBf16Logits;
-  return p.top_k >= kStagedTopK ? kStagedMinTokens : -1;
+  return rule == StagedRule::kSoftmaxPicks || p.top_k >= kStagedTopK ? kStagedMinTokens : -1;
 }
 inline bool use_staged(const RouteParams& p, const RouteChoice& choice) {
   if (choice.stream == StreamChoice::kAlways) return false;

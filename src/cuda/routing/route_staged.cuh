@@ -62,6 +62,7 @@ inline constexpr int kStagedMaxExperts = 512;
 inline constexpr int kStagedTopK = 8;       // the lists' depth: K <= 8
 inline constexpr int kStagedMaxGroups = 4;  // topk_group <= 4
 inline constexpr int kStagedWarps = 4;      // warps a block
+inline constexpr int kStagedL2Ahead = 2;    // chunks prefetched into L2 past the stages' copies
 // The launcher takes the staged kernels for rows of up to kStagedAutoMaxExperts experts, from
 // kStagedMinTokens rows on (staged_min_tokens: from kStagedMinTokensBf16Logits for bf16 logits keyed
 // as they are, never for fp32 logits without a pre function and K < 8). Sigmoid + bias, measured on
@@ -254,16 +255,24 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     }
   }
 
-  // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty).
+  // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty). Each lane
+  // also prefetches its row's piece of the chunk kStagedL2Ahead past the newest copy into L2, so that
+  // the copy finds it there (ncu, session 31: fp32 rows waited on their copies for a quarter of the
+  // warp-stall samples with the ring alone).
 #pragma unroll
   for (int c = 0; c + 1 < L::kStages; ++c) {
     if (c < chunks) issue(c, c);
     cp_async_commit();
   }
+#pragma unroll
+  for (int j = 1; j < kStagedL2Ahead; ++j)
+    if (L::kStages - 1 + j < chunks) prefetch_line_l2(row_ptr + (L::kStages - 1 + j) * L::kChunkBytes);
   int stage = 0;                   // chunk c's
   int ahead = L::kStages - 1;      // chunk c + kStages - 1's
   for (int c = 0; c < chunks; ++c) {
     if (c + L::kStages - 1 < chunks) issue(c + L::kStages - 1, ahead);
+    if (c + L::kStages - 1 + kStagedL2Ahead < chunks)
+      prefetch_line_l2(row_ptr + (c + L::kStages - 1 + kStagedL2Ahead) * L::kChunkBytes);
     if (c + 1 == chunks && c > 0) {
       // The picks' logits are read again at the end; by then the lines read first may have left L2
       // (fp32 at T = 65536: 67 MB). Back into L2 now, during the last chunk: the lines of the kept
@@ -405,11 +414,14 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       if (j < p.topk_group) merge8(run, run_out, glist[j], gout[j]);
     }
   }
+  // The K-th key and the one after it, by selects on a bit mask (a loop on k == K - 1 the compiler
+  // turned into an indexed load from a local copy of run).
   std::uint32_t kth = run[0], after = run_out;
+  const unsigned kth_bit = 1u << (K - 1);
 #pragma unroll
   for (int k = 1; k < kStagedTopK; ++k) {
-    if (k == K - 1) kth = run[k];
-    if (k == K) after = run[k];
+    kth = (kth_bit >> k) & 1u ? run[k] : kth;
+    after = (kth_bit >> (k - 1)) & 1u ? run[k] : after;
   }
   // bf16 logits keyed as they are (kLogits, kSoftmaxPicks): a key's low 16 bits are 0 (>= +0) or all
   // ones (< 0), so the packed keys lose nothing and order exactly as (key desc, expert asc).
@@ -489,7 +501,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       std::uint32_t below = full_key(after);
 #pragma unroll
       for (int k = 0; k < kStagedTopK; ++k)
-        if (k == K - 1 && below == fk[k]) below -= 0x10000u;
+        if (((kth_bit >> k) & 1u) && below == fk[k]) below -= 0x10000u;
       after_s = key_score(below);
     } else {
       after_s = load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
@@ -500,13 +512,13 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
 #pragma unroll
     for (int k = 0; k < kStagedTopK; ++k) {
       t[k] = k < K ? exp_any(__fadd_rn(pv[k], -m)) : 0.0f;
-      if (k == K - 1) doubt = doubt || !finite(pv[k]) || t[k] < 0x1p-100f;
+      if ((kth_bit >> k) & 1u) doubt = doubt || !finite(pv[k]) || t[k] < 0x1p-100f;
       if (k > 0 && k < K)
         doubt = doubt || (fk[k] != fk[k - 1] && e[k] < e[k - 1] && !(t[k - 1] > __fmul_rn(t[k], kMargin)));
     }
     float t_kth = t[0];
 #pragma unroll
-    for (int k = 1; k < kStagedTopK; ++k) t_kth = k == K - 1 ? t[k] : t_kth;
+    for (int k = 1; k < kStagedTopK; ++k) t_kth = (kth_bit >> k) & 1u ? t[k] : t_kth;
     // A left-out -inf or NaN has no p the oracle compares (it ranks below every finite one).
     if (finite(after_s)) doubt = doubt || !(t_kth > __fmul_rn(exp_any(__fadd_rn(after_s, -m)), kMargin));
     redo = redo || (row <= last && doubt);

@@ -62,7 +62,6 @@ inline constexpr int kStagedMaxExperts = 512;
 inline constexpr int kStagedTopK = 8;       // the lists' depth: K <= 8
 inline constexpr int kStagedMaxGroups = 4;  // topk_group <= 4
 inline constexpr int kStagedWarps = 4;      // warps a block
-inline constexpr int kStagedL2Ahead = 2;    // chunks prefetched into L2 past the stages' copies
 // The launcher takes the staged kernels for rows of up to kStagedAutoMaxExperts experts, from
 // kStagedMinTokens rows on (staged_min_tokens: from kStagedMinTokensBf16Logits for bf16 logits keyed
 // as they are, never for fp32 logits without a pre function and K < 8). Sigmoid + bias, measured on
@@ -255,24 +254,18 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     }
   }
 
-  // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty). Each lane
-  // also prefetches its row's piece of the chunk kStagedL2Ahead past the newest copy into L2, so that
-  // the copy finds it there (ncu, session 31: fp32 rows waited on their copies for a quarter of the
-  // warp-stall samples with the ring alone).
+  // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty). (fp32 rows
+  // still wait on their copies for a quarter of the warp-stall samples, ncu, session 31; prefetching
+  // each row's piece two chunks past the newest copy into L2 made most points 1-13% slower.)
 #pragma unroll
   for (int c = 0; c + 1 < L::kStages; ++c) {
     if (c < chunks) issue(c, c);
     cp_async_commit();
   }
-#pragma unroll
-  for (int j = 1; j < kStagedL2Ahead; ++j)
-    if (L::kStages - 1 + j < chunks) prefetch_line_l2(row_ptr + (L::kStages - 1 + j) * L::kChunkBytes);
   int stage = 0;                   // chunk c's
   int ahead = L::kStages - 1;      // chunk c + kStages - 1's
   for (int c = 0; c < chunks; ++c) {
     if (c + L::kStages - 1 < chunks) issue(c + L::kStages - 1, ahead);
-    if (c + L::kStages - 1 + kStagedL2Ahead < chunks)
-      prefetch_line_l2(row_ptr + (c + L::kStages - 1 + kStagedL2Ahead) * L::kChunkBytes);
     if (c + 1 == chunks && c > 0) {
       // The picks' logits are read again at the end; by then the lines read first may have left L2
       // (fp32 at T = 65536: 67 MB). Back into L2 now, during the last chunk: the lines of the kept

@@ -347,7 +347,8 @@ bool weight_matches(std::uint32_t gpu, std::uint32_t cpu, DType dtype, float tol
   if (tol == 0.0f) return false;
   const double g = weight_value(gpu, dtype), c = weight_value(cpu, dtype);
   if (!std::isfinite(g) || !std::isfinite(c)) return false;
-  if (dtype == DType::kBFloat16) return (gpu >> 15) == (cpu >> 15) && (gpu > cpu ? gpu - cpu : cpu - gpu) == 1u;
+  if (dtype == DType::kBFloat16)
+    return (gpu >> 15) == (cpu >> 15) && (gpu > cpu ? gpu - cpu : cpu - gpu) == 1u;
   return std::fabs(g - c) <= static_cast<double>(tol) * std::fabs(c) + 1e-30;
 }
 

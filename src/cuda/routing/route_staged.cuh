@@ -125,9 +125,12 @@ inline bool staged_rule_of(const RouteParams& p, StagedRule* rule) {
     return true;
   }
   if (p.bias != nullptr || p.group_path != kGroupNone) return false;
-  if (p.pre == PreFn::kNone) *rule = StagedRule::kLogits;
-  else if (p.pre == PreFn::kSoftmax && p.post == PostFn::kNormalize) *rule = StagedRule::kSoftmaxPicks;
-  else return false;
+  if (p.pre == PreFn::kNone)
+    *rule = StagedRule::kLogits;
+  else if (p.pre == PreFn::kSoftmax && p.post == PostFn::kNormalize)
+    *rule = StagedRule::kSoftmaxPicks;
+  else
+    return false;
   return true;
 }
 
@@ -262,8 +265,8 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     if (c < chunks) issue(c, c);
     cp_async_commit();
   }
-  int stage = 0;                   // chunk c's
-  int ahead = L::kStages - 1;      // chunk c + kStages - 1's
+  int stage = 0;               // chunk c's
+  int ahead = L::kStages - 1;  // chunk c + kStages - 1's
   for (int c = 0; c < chunks; ++c) {
     if (c + L::kStages - 1 < chunks) issue(c + L::kStages - 1, ahead);
     if (c + 1 == chunks && c > 0) {
@@ -497,7 +500,8 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         if (((kth_bit >> k) & 1u) && below == fk[k]) below -= 0x10000u;
       after_s = key_score(below);
     } else {
-      after_s = load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
+      after_s =
+          load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
     }
     const float m = pv[0];
     constexpr float kMargin = 1.0f + 0x1p-18f;

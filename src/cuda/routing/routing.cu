@@ -587,8 +587,9 @@ __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_ke
 }
 
 // One staged kernel over `blocks` blocks; its shared memory passes the 48 KB default (an opt-in).
-template <auto kKernel, DType kDtype>
+template <DType kDtype, routing::StagedRule kRule, bool kGroups>
 Status launch_staged_kernel(const RouteParams& p, std::int64_t blocks, cudaStream_t stream) {
+  constexpr auto kKernel = route_staged_kernel<kDtype, kRule, kGroups>;
   constexpr std::size_t kSmem = routing::StagedLayout<kDtype>::kBlockBytes;
   const cudaError_t err = set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(kSmem);
   if (err != cudaSuccess) return cuda_status("route: staged kernel shared memory", err);
@@ -607,16 +608,11 @@ Status launch_route_staged(const RouteParams& p, cudaStream_t stream) {
   const bool groups = p.group_path != routing::kGroupNone;
   const auto launch = [&](auto dtype) {
     constexpr DType kDtype = decltype(dtype)::value;
-    if (rule == StagedRule::kLogits)
-      return launch_staged_kernel<route_staged_kernel<kDtype, StagedRule::kLogits, false>, kDtype>(p, blocks, stream);
+    if (rule == StagedRule::kLogits) return launch_staged_kernel<kDtype, StagedRule::kLogits, false>(p, blocks, stream);
     if (rule == StagedRule::kSoftmaxPicks)
-      return launch_staged_kernel<route_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>, kDtype>(p, blocks,
-                                                                                                        stream);
-    return groups
-               ? launch_staged_kernel<route_staged_kernel<kDtype, StagedRule::kSigmoidBias, true>, kDtype>(p, blocks,
-                                                                                                         stream)
-               : launch_staged_kernel<route_staged_kernel<kDtype, StagedRule::kSigmoidBias, false>, kDtype>(p, blocks,
-                                                                                                          stream);
+      return launch_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>(p, blocks, stream);
+    return groups ? launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, true>(p, blocks, stream)
+                  : launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, false>(p, blocks, stream);
   };
   if (p.logits_dtype == static_cast<int>(DType::kFloat32))
     return launch(std::integral_constant<DType, DType::kFloat32>{});

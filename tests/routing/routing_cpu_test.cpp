@@ -27,9 +27,11 @@
 #include <string>
 #include <vector>
 
+#include "common/routing_math.h"
 #include "common/routing_names.h"
-#include "common/top8_network.h"
+#include "common/softmax_picks.h"
 #include "common/test_data.h"
+#include "common/top8_network.h"
 #include "switchyard/switchyard.h"
 
 namespace {
@@ -1187,6 +1189,94 @@ TEST(TopEightNetwork, SortsMergesAndTracksTheNinth) {
     std::sort(v, v + 32, std::greater<std::uint32_t>());
     for (int i = 0; i < 8; ++i) ASSERT_EQ(s[0][i], v[i]) << "trial " << t;
     ASSERT_EQ(n0, v[8]) << "trial " << t;
+  }
+}
+
+// The p test of the staged softmax -> normalize rows (common/softmax_picks.h; uses the library's exp_f32,
+// whose bits the kernels' exp has). Wherever it passes a row, ranking the row by its logits gives the
+// oracle's ids and order (the CPU backend's, softmax -> normalize); it passes nearly every row of
+// N(0, 1) logits; and on flat-top rows (distinct logits whose p round equal, so that the oracle ranks
+// them by expert) and underflow rows (unequal subnormal p that round equal) the logit order is often
+// wrong, and the test flags every such row. (Its finiteness conditions guard the weights, which would
+// be NaN for infinite picks, rather than the order: the GPU test's special rows check those.)
+TEST(SoftmaxPicksTest, PassesOnlyRowsWhoseLogitOrderIsTheOracles) {
+  SY_SEEDED(seed);
+  std::mt19937_64 g(seed_gen());
+  constexpr int kN = 8;
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (int E : {32, 64, 256, 512}) {
+    for (int K : {1, 2, 5, 8}) {
+      // normal, wide, flat-top, tied (bf16-like), specials, underflow (the K-th pick's p subnormal)
+      for (int kind = 0; kind < 6; ++kind) {
+        const std::int64_t T = 400;
+        std::vector<float> v =
+            sy_test::random_normal(static_cast<std::size_t>(T) * E, g(), kind == 1 ? 40.0f : 1.0f);
+        for (std::int64_t t = 0; t < T; ++t) {
+          float* row = v.data() + t * E;
+          if (kind == 2) {
+            for (int e = 0; e < E; ++e) row[e] -= 6.0f;
+            const int m = 4 + static_cast<int>(g() % 13);
+            for (int j = 0; j < m; ++j)
+              row[g() % E] =
+                  switchyard::detail::bits_float(0x38800000u + static_cast<std::uint32_t>(g() % 8192));
+          } else if (kind == 3) {
+            for (int e = 0; e < E; ++e) row[e] = std::round(row[e] * 8.0f) / 8.0f;
+          } else if (kind == 4) {
+            const float specials[] = {nan, inf, -inf, -0.0f, 0.0f};
+            for (int e = 0; e < E; ++e)
+              if (g() % 16 == 0) row[e] = specials[g() % 5];
+          } else if (kind == 5) {
+            // K - 1 experts at 0, then three at -99.4 + 0.02 j: exp of those is a subnormal ~7e-44 (steps
+            // of 2%), and p = exp / (K - 1) rounds some of them to one value, which the oracle ranks by
+            // expert.
+            for (int e = 0; e < E; ++e) row[e] -= 300.0f;
+            for (int j = 0; j < K - 1; ++j) row[g() % E] = 0.0f;
+            for (int j = 0; j < 3; ++j) row[g() % E] = -99.4f + 0.02f * static_cast<float>(j);
+          }
+        }
+        const RoutingConfig c = make_config(E, K, PreFn::kSoftmax, PostFn::kNormalize);
+        std::vector<std::int32_t> ids(static_cast<std::size_t>(T) * K, sy_test::kPoisonI32);
+        std::vector<float> w(static_cast<std::size_t>(T) * K);
+        ASSERT_TRUE(switchyard::route(c, TensorView::of(v.data(), DType::kFloat32, {T, E}), TensorView{},
+                                      TensorView::of(ids.data(), DType::kInt32, {T, K}),
+                                      TensorView::of(w.data(), DType::kFloat32, {T, K}))
+                        .ok());
+        int passed = 0, wrong_order = 0;
+        for (std::int64_t t = 0; t < T; ++t) {
+          const float* row = v.data() + t * E;
+          // The logit order: canonical scores (NaN as -inf) descending, equal ones by expert.
+          std::vector<int> order(E);
+          for (int e = 0; e < E; ++e) order[e] = e;
+          const auto score = [&](int e) { return switchyard::detail::canonical_score(row[e]) + 0.0f; };
+          std::partial_sort(order.begin(), order.begin() + K + 1, order.end(), [&](int a, int b) {
+            return score(a) > score(b) || (score(a) == score(b) && a < b);
+          });
+          float sv[kN] = {}, tv[kN];
+          std::uint32_t key[kN] = {};
+          int ev[kN] = {};
+          bool same = true;
+          for (int k = 0; k < K; ++k) {
+            sv[k] = score(order[k]);
+            key[k] = switchyard::detail::float_bits(sv[k]);
+            ev[k] = order[k];
+            same = same && ids[t * K + k] == order[k];
+          }
+          const bool doubt = switchyard::detail::softmax_picks_doubtful(
+              K, sv, key, ev, score(order[K]), [](float x) { return switchyard::detail::exp_f32(x); }, tv);
+          if (!same) ++wrong_order;
+          if (!doubt) {
+            ++passed;
+            ASSERT_TRUE(same) << "E " << E << " K " << K << " kind " << kind << " row " << t;
+          }
+        }
+        SCOPED_TRACE("E " + std::to_string(E) + " K " + std::to_string(K) + " kind " + std::to_string(kind));
+        // N(0, 1) logits: nearly every row passes. (N(0, 40) ones need not: a K-th pick more than ~69
+        // below the row's largest logit has a tiny t, and its row is routed exactly.)
+        if (kind == 0) EXPECT_GE(passed, T - T / 100);
+        if (kind == 2) EXPECT_GE(wrong_order, T / 2);  // the case the test exists for
+        if (kind == 5 && K >= 5) EXPECT_GE(wrong_order, T / 20);
+      }
+    }
   }
 }
 

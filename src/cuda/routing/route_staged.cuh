@@ -39,7 +39,7 @@
 //      warps then set the call's time (100 us against 57 for deepseek-v3; session 30). The picks'
 //      p and full keys are recomputed from their logits (p is needed for the weights anyway), and
 //      picks of one bucket are put in key order. Softmax rows are also redone where unequal logits
-//      could round to one p (the oracle ranks those by expert): the test is in the code.
+//      could round to one p (the oracle ranks those by expert): common/softmax_picks.h.
 //   5. Weights and outputs: route_rows.cuh's store_thread_row, the oracle's arithmetic. Softmax ->
 //      normalize rows: w = exp(s - m) / (sum of the picks' exp(s - m)) * scale in fp64, one rounding
 //      (the oracle's full softmax cancels out of its normalisation; its sum over all E experts would
@@ -50,6 +50,7 @@
 
 #include <cstdint>
 
+#include "common/softmax_picks.h"
 #include "common/top8_network.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/routing/route_rows.cuh"
@@ -193,6 +194,7 @@ __device__ __forceinline__ void prefetch_line_l2(const void* ptr) {
 }
 
 using ::switchyard::detail::merge8;  // common/top8_network.h
+using ::switchyard::detail::softmax_picks_doubtful;  // common/softmax_picks.h
 using ::switchyard::detail::sort8;
 
 }  // namespace dev
@@ -478,14 +480,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       }
     }
   };
-  // kSoftmaxPicks: the oracle ranks by p = exp(s - m) / sum (m: the row's largest finite logit), which
-  // is non-decreasing in s but can be equal for unequal logits, and then ranks the lower expert first.
-  // t[k] = exp(s_k - m) with m = s of the first pick. The logits' order is the oracle's when the picks
-  // are finite, t of the K-th pick is not tiny (its p is then a normal number, as sum <= E), every
-  // finite logit left out has t at least a factor 1 + 2^-18 below it (exp_any is within an ulp or so of
-  // exp, and the rounding of s - m and of the division is monotone: every such p is then below the
-  // K-th's), and so has any pick whose successor in the order is a lower expert with a smaller logit.
-  // Otherwise the row is done again exactly.
+  // kSoftmaxPicks: the p test (common/softmax_picks.h); t[k] = exp(s_k - m) serves the weights.
   float t[kStagedTopK];
   if constexpr (kRule == StagedRule::kSoftmaxPicks) {
     load_picks();
@@ -503,21 +498,8 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       after_s =
           load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
     }
-    const float m = pv[0];
-    constexpr float kMargin = 1.0f + 0x1p-18f;
-    bool doubt = !finite(m);
-#pragma unroll
-    for (int k = 0; k < kStagedTopK; ++k) {
-      t[k] = k < K ? exp_any(__fadd_rn(pv[k], -m)) : 0.0f;
-      if ((kth_bit >> k) & 1u) doubt = doubt || !finite(pv[k]) || t[k] < 0x1p-100f;
-      if (k > 0 && k < K)
-        doubt = doubt || (fk[k] != fk[k - 1] && e[k] < e[k - 1] && !(t[k - 1] > __fmul_rn(t[k], kMargin)));
-    }
-    float t_kth = t[0];
-#pragma unroll
-    for (int k = 1; k < kStagedTopK; ++k) t_kth = (kth_bit >> k) & 1u ? t[k] : t_kth;
-    // A left-out -inf or NaN has no p the oracle compares (it ranks below every finite one).
-    if (finite(after_s)) doubt = doubt || !(t_kth > __fmul_rn(exp_any(__fadd_rn(after_s, -m)), kMargin));
+    const bool doubt = softmax_picks_doubtful(
+        K, pv, fk, e, after_s, [](float x) { return exp_any(x); }, t);
     redo = redo || (row <= last && doubt);
   }
 

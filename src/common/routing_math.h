@@ -15,6 +15,8 @@
 namespace switchyard::detail {
 
 SY_HD bool is_finite(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f800000u; }
+// The same test as |x| < inf, the form the CUDA kernels use (route_warp.cuh, softmax_picks.h).
+SY_HD bool finite_abs(float x) { return fabsf(x) < bits_float(0x7f800000u); }
 SY_HD bool is_nan(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
 SY_HD float neg_inf() { return bits_float(0xff800000u); }
 SY_HD float pos_inf() { return bits_float(0x7f800000u); }

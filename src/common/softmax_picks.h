@@ -15,13 +15,11 @@
 #include <cstdint>
 
 #include "common/host_device.h"
-#include "common/numeric.h"
+#include "common/routing_math.h"
 
 namespace switchyard::detail {
 
 inline constexpr float kSoftmaxPickMargin = 1.0f + 0x1p-18f;
-
-SY_HD bool finite_abs(float x) { return fabsf(x) < bits_float(0x7f800000u); }
 
 // Whether the order of the K <= kN picks by logit might not be the oracle's p order (the row is then
 // routed exactly). s, key, e: the picks' logits, ordered keys and experts in (logit desc, expert asc)

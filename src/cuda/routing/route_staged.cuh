@@ -159,8 +159,6 @@ inline bool staged_fits(const RouteParams& p) {
 // or wherever they fit (any T and E); the default: as above.
 using StagedChoice = KnobChoice;
 inline StagedChoice staged_knob() { return choice_knob("SWITCHYARD_ROUTE_STAGED"); }
-// Whether route() takes the staged kernels for p: before the streamed narrow segments (which they
-// beat where both fit, see above), unless SWITCHYARD_ROUTE_STREAM=1 forces those.
 // The rows from which route() takes the staged kernels for p by default (p fits; see above), or -1.
 inline std::int64_t staged_min_tokens(const RouteParams& p) {
   StagedRule rule;
@@ -169,6 +167,8 @@ inline std::int64_t staged_min_tokens(const RouteParams& p) {
   if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) return kStagedMinTokensBf16Logits;
   return rule == StagedRule::kSoftmaxPicks || p.top_k >= kStagedTopK ? kStagedMinTokens : -1;
 }
+// Whether route() takes the staged kernels for p: before the streamed narrow segments (which they
+// beat where both fit, see above), unless SWITCHYARD_ROUTE_STREAM=1 forces those.
 inline bool use_staged(const RouteParams& p, const RouteChoice& choice) {
   if (choice.stream == StreamChoice::kAlways) return false;
   if (choice.staged == StagedChoice::kNever || !staged_fits(p)) return false;

@@ -662,7 +662,7 @@ __device__ __forceinline__ float min_nan(float a, float b) {
   return (a != a || b != b) ? a + b : fminf(a, b);
 #endif
 }
-__device__ __forceinline__ bool finite(float x) { return fabsf(x) < __uint_as_float(0x7f800000u); }
+using ::switchyard::detail::finite_abs;  // common/routing_math.h
 
 // Ordered key of a non-NaN score (see the file comment). q + 0 turns -0 into +0.
 __device__ __forceinline__ std::uint32_t score_key(float q) {
@@ -765,7 +765,7 @@ struct SoftmaxRow {
   float m, sum, rcp;
 };
 __device__ __forceinline__ float softmax_pre(float s, const SoftmaxRow& sm) {
-  return finite(s) ? div_by(exp_any(__fadd_rn(s, -sm.m)), sm.sum, sm.rcp) : s;
+  return finite_abs(s) ? div_by(exp_any(__fadd_rn(s, -sm.m)), sm.sum, sm.rcp) : s;
 }
 
 // Element-wise pre-score of one logit (not softmax).
@@ -905,7 +905,7 @@ __device__ __forceinline__ SoftmaxRow pre_scores(PreFn pre, float (&v)[V]) {
     float mx = neg_inf(), mn = __uint_as_float(0x7f800000u);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const bool f = finite(v[j]);
+      const bool f = finite_abs(v[j]);
       mx = f ? fmaxf(mx, v[j]) : mx;
       mn = f ? fminf(mn, v[j]) : mn;
     }
@@ -914,7 +914,7 @@ __device__ __forceinline__ SoftmaxRow pre_scores(PreFn pre, float (&v)[V]) {
 #pragma unroll
     for (int a = 0; a < NA; ++a) acc[a] = 0.0f;
     // v becomes exp(v - m) for finite v and keeps non-finite v as is (exp results are finite,
-    // so finite(v) still tells the two apart afterwards). exp(x) >= 2^-64 for x >= -44, which
+    // so finite_abs(v) still tells the two apart afterwards). exp(x) >= 2^-64 for x >= -44, which
     // keeps the division below on its fast path too. Rounding is monotone, so the smallest
     // RN(v - m) of the lane is RN(mn - m); a lane without finite values has mn = +inf (and
     // m <= mn whenever mn is finite), which passes.
@@ -922,7 +922,7 @@ __device__ __forceinline__ SoftmaxRow pre_scores(PreFn pre, float (&v)[V]) {
     if (fast) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const bool f = finite(v[j]);
+        const bool f = finite_abs(v[j]);
         const float e = exp_fast(__fadd_rn(v[j], -sm.m));
         v[j] = f ? e : v[j];
         acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? e : 0.0f);
@@ -930,7 +930,7 @@ __device__ __forceinline__ SoftmaxRow pre_scores(PreFn pre, float (&v)[V]) {
     } else {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const bool f = finite(v[j]);
+        const bool f = finite_abs(v[j]);
         v[j] = f ? exp_any(__fadd_rn(v[j], -sm.m)) : v[j];
         acc[(j / 4) % NA] = __fadd_rn(acc[(j / 4) % NA], f ? v[j] : 0.0f);
       }
@@ -940,7 +940,7 @@ __device__ __forceinline__ SoftmaxRow pre_scores(PreFn pre, float (&v)[V]) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float q = fast ? div_fast(v[j], sm.sum, sm.rcp) : div_by(v[j], sm.sum, sm.rcp);
-      v[j] = finite(v[j]) ? q : v[j];
+      v[j] = finite_abs(v[j]) ? q : v[j];
     }
   } else if (pre == PreFn::kSigmoid) {
     bool fast = true;  // a NaN logit fails the test
@@ -2189,7 +2189,7 @@ __device__ __forceinline__ void wide_stripe_keys(const RouteParams& p, int lane4
     for (int c = 0; c < 4; ++c) {
       const float x = __fadd_rn(v[c], -sm.m);
       const float q = sm_fast ? div_fast(exp_fast(x), sm.sum, sm.rcp) : div_by(exp_any(x), sm.sum, sm.rcp);
-      v[c] = finite(v[c]) ? q : v[c];
+      v[c] = finite_abs(v[c]) ? q : v[c];
     }
   } else if (p.pre == PreFn::kSigmoid) {
     const bool fast =
@@ -2249,7 +2249,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
     wide_visit_stripes<Shape>(p, row_ptr, lane4, /*with_bias=*/false, [&](int, const WideStripe& st) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const bool f = finite(st.v[c]);
+        const bool f = finite_abs(st.v[c]);
         mx = f ? fmaxf(mx, st.v[c]) : mx;
         mn = f ? fminf(mn, st.v[c]) : mn;
       }
@@ -2262,7 +2262,7 @@ __device__ __forceinline__ void route_warp_wide(const RouteParams& p, std::int64
       for (int c = 0; c < 4; ++c) {
         const float x = __fadd_rn(st.v[c], -sm.m);
         const float e = sm_fast ? exp_fast(x) : exp_any(x);
-        acc[0] = __fadd_rn(acc[0], finite(st.v[c]) ? e : 0.0f);
+        acc[0] = __fadd_rn(acc[0], finite_abs(st.v[c]) ? e : 0.0f);
       }
     });
     sm.sum = softmax_row_sum<W>(acc);

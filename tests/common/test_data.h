@@ -53,6 +53,22 @@ inline std::vector<float> random_tied(std::size_t n, std::uint64_t seed, int lev
   return v;
 }
 
+// A flat-top row of E logits (in place, drawing from g): every logit lowered by 6, then 4-16 experts
+// (random, possibly repeated) set to 2^-14 plus 0-8191 ulps. Distinct logits in different packed
+// buckets whose softmax p nearly all round equal (exp(s - m) rounds to 1), so that the oracle ranks them
+// by expert, not by logit: the staged softmax rows' p test (src/common/softmax_picks.h).
+inline void flat_top_row(float* row, int E, std::mt19937_64& g) {
+  for (int e = 0; e < E; ++e) row[e] -= 6.0f;
+  const float base = 0x1p-14f;
+  std::uint32_t u;
+  std::memcpy(&u, &base, 4);
+  const int m = 4 + static_cast<int>(g() % 13);
+  for (int j = 0; j < m; ++j) {
+    const std::uint32_t b = u + static_cast<std::uint32_t>(g() % 8192);
+    std::memcpy(&row[g() % E], &b, 4);
+  }
+}
+
 enum class Skew { kUniform, kZipf, kOneHot };
 
 // Expert ids [T,K] in [0,E): distinct within a row, drawn uniformly, Zipf(1.2)-weighted, or

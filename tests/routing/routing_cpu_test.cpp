@@ -1214,11 +1214,7 @@ TEST(SoftmaxPicksTest, PassesOnlyRowsWhoseLogitOrderIsTheOracles) {
         for (std::int64_t t = 0; t < T; ++t) {
           float* row = v.data() + t * E;
           if (kind == 2) {
-            for (int e = 0; e < E; ++e) row[e] -= 6.0f;
-            const int m = 4 + static_cast<int>(g() % 13);
-            for (int j = 0; j < m; ++j)
-              row[g() % E] =
-                  switchyard::detail::bits_float(0x38800000u + static_cast<std::uint32_t>(g() % 8192));
+            sy_test::flat_top_row(row, E, g);
           } else if (kind == 3) {
             for (int e = 0; e < E; ++e) row[e] = std::round(row[e] * 8.0f) / 8.0f;
           } else if (kind == 4) {

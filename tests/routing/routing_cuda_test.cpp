@@ -74,9 +74,8 @@ enum class Kind {
   // h and two values above it (the second one hidden outside the lane's buffer). A check that
   // trusted a head equal to the last pick would keep p (K = 1, 2) where the oracle picks x + 1 ulp.
   kHiddenInBucket,
-  // N(0, 1) - 6 with 4-16 experts at 2^-14 plus 0-8191 ulps: distinct logits in different packed
-  // buckets whose softmax p are nearly all equal (exp of s - m rounds to 1), so that the oracle ranks
-  // them by expert, not by logit (route_staged.cuh's softmax p test).
+  // N(0, 1) rows made flat-top (sy_test::flat_top_row: distinct logits whose softmax p nearly all
+  // round equal), for route_staged.cuh's softmax p test.
   kFlatTop,
 };
 const char* kind_name(Kind k) {
@@ -227,18 +226,7 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
     case Kind::kFlatTop: {
       std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
       std::mt19937_64 g(seed ^ 0xd6e8feb86659fd93ull);
-      const float base = 0x1p-14f;
-      std::uint32_t u;
-      std::memcpy(&u, &base, 4);
-      for (std::int64_t t = 0; t < T; ++t) {
-        float* row = v.data() + t * E;
-        for (int e = 0; e < E; ++e) row[e] -= 6.0f;
-        const int m = 4 + static_cast<int>(g() % 13);
-        for (int j = 0; j < m; ++j) {
-          const std::uint32_t b = u + static_cast<std::uint32_t>(g() % 8192);
-          std::memcpy(&row[g() % E], &b, 4);
-        }
-      }
+      for (std::int64_t t = 0; t < T; ++t) sy_test::flat_top_row(v.data() + t * E, E, g);
       return v;
     }
     case Kind::kSpecial:

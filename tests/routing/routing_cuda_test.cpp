@@ -77,6 +77,10 @@ enum class Kind {
   // N(0, 1) rows made flat-top (sy_test::flat_top_row: distinct logits whose softmax p nearly all
   // round equal), for route_staged.cuh's softmax p test.
   kFlatTop,
+  // Rows of +0 and -0 with 0-9 positive values, a few -1, -inf and NaNs with payloads in their low
+  // bits (and in the bf16 ones), so that the K-th pick and the one after it are often +0 and -0: for
+  // route_staged.cuh's raw keys, which rank NaN above +inf or below -inf and -0 below +0.
+  kZeros,
 };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -100,6 +104,8 @@ const char* kind_name(Kind k) {
       return "hidden-in-bucket";
     case Kind::kFlatTop:
       return "flat-top";
+    case Kind::kZeros:
+      return "zeros";
   }
   return "?";
 }
@@ -227,6 +233,29 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
       std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
       std::mt19937_64 g(seed ^ 0xd6e8feb86659fd93ull);
       for (std::int64_t t = 0; t < T; ++t) sy_test::flat_top_row(v.data() + t * E, E, g);
+      return v;
+    }
+    case Kind::kZeros: {
+      std::vector<float> v(n);
+      std::mt19937_64 g(seed ^ 0x8bb84b93962eacc9ull);
+      const std::uint32_t odd[] = {0x7f800001u, 0xff800001u, 0x7f810000u,
+                                   0xff810000u, 0x7f8001ffu, 0xff800000u};
+      for (std::int64_t t = 0; t < T; ++t) {
+        float* row = v.data() + t * E;
+        for (int e = 0; e < E; ++e) {
+          const unsigned r = static_cast<unsigned>(g() % 100);
+          if (r < 90) {
+            row[e] = (g() % 2) ? -0.0f : 0.0f;
+          } else if (r < 96) {
+            row[e] = -1.0f;
+          } else {
+            const std::uint32_t b = odd[g() % 6];
+            std::memcpy(&row[e], &b, 4);
+          }
+        }
+        const int positives = static_cast<int>(g() % 10);
+        for (int j = 0; j < positives; ++j) row[g() % E] = 0.5f + static_cast<float>(g() % 3);
+      }
       return v;
     }
     case Kind::kSpecial:
@@ -1158,9 +1187,10 @@ TEST(RoutingCuda, StreamedNarrowRows) {
 // kStagedMinTokens rows.
 TEST(RoutingCuda, StagedRows) {
   SY_SKIP_WITHOUT_GPU();
-  const Kind kinds[] = {Kind::kNearTied, Kind::kHiddenInBucket, Kind::kNormal,
-                        Kind::kTied,     Kind::kSpecial,        Kind::kLaneHeavy,
-                        Kind::kNegative, Kind::kWide,           Kind::kDryBuffers};
+  const Kind kinds[] = {Kind::kNearTied,   Kind::kHiddenInBucket, Kind::kNormal,   Kind::kTied,
+                        Kind::kSpecial,    Kind::kLaneHeavy,      Kind::kNegative, Kind::kWide,
+                        Kind::kDryBuffers, Kind::kZeros};
+  constexpr int kNumKinds = sizeof(kinds) / sizeof(kinds[0]);
   const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};
   int i = 0;
   {
@@ -1183,7 +1213,7 @@ TEST(RoutingCuda, StagedRows) {
           }
           c.bias = true;
           c.T = ts[i % 6];
-          c.kind = kinds[i % 9];
+          c.kind = kinds[i % kNumKinds];
           // Hidden-in-bucket rows place values in the experts of 32 lanes of four (E >= 128).
           if (c.kind == Kind::kHiddenInBucket && E < 128) c.kind = Kind::kNearTied;
           c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
@@ -1207,7 +1237,9 @@ TEST(RoutingCuda, StagedRows) {
             c.weight_tol = 1e-6f;
           }
           c.T = ts[i % 6];
-          c.kind = rep == 4 ? Kind::kFlatTop : rep == 2 ? Kind::kNearTied : kinds[i % 9];
+          c.kind = rep == 4   ? Kind::kFlatTop
+                   : rep == 2 ? ((i / 10) % 2 ? Kind::kZeros : Kind::kNearTied)
+                              : kinds[i % kNumKinds];
           if (c.kind == Kind::kHiddenInBucket && E < 128) c.kind = Kind::kNearTied;
           c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
           c.extra_stride = (i % 5 == 3) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
@@ -1225,7 +1257,7 @@ TEST(RoutingCuda, StagedRows) {
       if (v == 6) c.config = make_config(256, 8, PreFn::kSoftmax, PostFn::kNone, 1.0f);
       if (v == 7) c.config.pre = PreFn::kNone;
       c.T = 301;
-      c.kind = kinds[i % 9];
+      c.kind = kinds[i % kNumKinds];
       if (v == 0) c.logits_dtype = DType::kFloat16;
       if (v == 1) c.extra_stride = 2;
       if (v >= 4) {
@@ -1253,7 +1285,7 @@ TEST(RoutingCuda, StagedRows) {
       c.bias = m.has_bias;
     }
     c.T = 32768;
-    c.kind = kinds[i % 9];
+    c.kind = kinds[i % kNumKinds];
     c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
     ++i;
     check_case(c);

@@ -22,9 +22,7 @@
 //      key with its low bits (as many as E - 1 needs) replaced by the inverted expert index, so that
 //      packed keys order by (bucket desc, expert asc), the oracle's order unless two keys share a
 //      bucket (see 4). bf16 logits keyed as they are lose nothing (their keys' low 16 bits are
-//      constant): exact. The logits rules key the raw bits (raw_packed_key: 3 instructions an expert
-//      against 6, without canonical_key's NaN -> -inf and -0 -> +0); the rows where NaN, +inf, -inf or
-//      a signed zero could then rank unlike the oracle are routed again (4).
+//      constant): exact.
 //   2. Group limit (groups of exactly one chunk): the group's score from the two largest full keys
 //      (a max / second-max tree: exact, as the oracle's sum of the two best q), and the best
 //      topk_group groups so far (score desc, group asc: a later group displaces the worst kept one
@@ -195,27 +193,6 @@ __device__ __forceinline__ void prefetch_line_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
 }
 
-// The packed key of a logit's bits u (bf16: in the high half, the low half ignored) by its index j < 32
-// in the chunk: score_key's order of u, unless u is NaN or -0 (below), in the bits above low_ones (the
-// index bits and, bf16, the low half: ones), and ~j in the low 5 bits, so that XOR with the chunk's
-// first expert gives the inverted expert index (route_staged_warp's packed keys). Three instructions
-// (SHF, two LOP3) where canonical_key and packing take six: no NaN -> -inf or -0 -> +0 step. So NaN keys
-// lie above +inf's (sign 0) or below -inf's (sign 1), and -0's is one below +0's (one bucket below);
-// route_staged_warp routes the rows where that could matter again.
-// The two LOP3 are written out: with a constant low_ones (bf16) the compiler rewrote the expressions
-// into five.
-__device__ __forceinline__ std::uint32_t raw_packed_key(std::uint32_t u, std::uint32_t low_ones, int j) {
-  const std::uint32_t s = static_cast<std::uint32_t>(static_cast<std::int32_t>(u) >> 31);
-  const std::uint32_t c = 0x80000000u | static_cast<std::uint32_t>(j);
-  std::uint32_t a, r;
-  // a = (u ^ s) | low_ones: score_key(u) without its sign bit (bit 31 is 0), low bits ones.
-  asm("lop3.b32 %0, %1, %2, %3, 0xBE;" : "=r"(a) : "r"(u), "r"(s), "r"(low_ones));
-  // r = (a & ~c) | (c & ~a & ~s): a where c is 0; bit 31: ~s (score_key's sign bit); the bits of j
-  // (a is 1 there): 0.
-  asm("lop3.b32 %0, %1, %2, %3, 0x52;" : "=r"(r) : "r"(a), "r"(s), "r"(c));
-  return r;
-}
-
 using ::switchyard::detail::merge8;  // common/top8_network.h
 using ::switchyard::detail::softmax_picks_doubtful;  // common/softmax_picks.h
 using ::switchyard::detail::sort8;
@@ -243,36 +220,16 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   const unsigned char* row_ptr = logits + (row < last ? row : last) * pitch;
 
   // The warp's copies of chunk c into stage s: lane l copies piece l % kPieces of rows
-  // kRowsPerCopy * i + l / kPieces. Copy i's source in chunk 0 and place in a stage (copy_at) are the
-  // same for every chunk: the logits
-  // rules compute them once (left to the compiler, they were recomputed in the loop, ~150 of an fp32
-  // chunk's ~670 instructions); the sigmoid rule, short of registers, in the loop.
+  // kRowsPerCopy * i + l / kPieces.
   const unsigned stage_base = static_cast<unsigned>(__cvta_generic_to_shared(stages));
-  const auto copy_at = [&](int i, int c, int s, const unsigned char*& src, unsigned& dst) {
-    const int r = L::kRowsPerCopy * i + lane / L::kPieces;
-    const std::int64_t g = first_row + r < last ? first_row + r : last;
-    const int piece = lane % L::kPieces;
-    dst = stage_base + s * L::kStageBytes + r * L::kChunkBytes + 16 * L::piece_at(r, piece);
-    src = logits + g * pitch + c * L::kChunkBytes + 16 * piece;
-  };
-  const unsigned char* src[L::kPieces];
-  unsigned dst[L::kPieces];
-  if constexpr (kRule != StagedRule::kSigmoidBias) {
-#pragma unroll
-    for (int i = 0; i < L::kPieces; ++i) {
-      copy_at(i, 0, 0, src[i], dst[i]);
-      asm volatile("" : "+l"(src[i]), "+r"(dst[i]));  // opaque: kept, not recomputed
-    }
-  }
   const auto issue = [&](int c, int s) {
 #pragma unroll
     for (int i = 0; i < L::kPieces; ++i) {
-      if constexpr (kRule == StagedRule::kSigmoidBias) {
-        copy_at(i, c, s, src[i], dst[i]);
-        cp_async16(dst[i], src[i]);
-      } else {
-        cp_async16(dst[i] + s * L::kStageBytes, src[i] + c * L::kChunkBytes);
-      }
+      const int r = L::kRowsPerCopy * i + lane / L::kPieces;
+      const std::int64_t g = first_row + r < last ? first_row + r : last;
+      const int piece = lane % L::kPieces;
+      cp_async16(stage_base + s * L::kStageBytes + r * L::kChunkBytes + 16 * L::piece_at(r, piece),
+                 logits + g * pitch + c * L::kChunkBytes + 16 * piece);
     }
   };
 
@@ -280,10 +237,6 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   int bits = 1;
   while ((1 << bits) < E) ++bits;
   const std::uint32_t index_mask = (1u << bits) - 1u;
-  // The logits rules' raw keys (step 1; raw_packed_key): low bits set to ones below the key's bits that
-  // are kept (fp32: the index bits; bf16: its 16 bits of padding, constant).
-  constexpr bool kRaw = kRule != StagedRule::kSigmoidBias;
-  const std::uint32_t low_ones = kDtype == DType::kFloat32 ? index_mask : 0xffffu;
 
   // Without a group limit: the row's running top 8 (0: empty) and the largest key left out.
   std::uint32_t run[kStagedTopK];
@@ -335,46 +288,29 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     cp_async_commit();  // possibly empty: groups 0 .. c done = chunk c landed
     cp_async_wait<L::kStages - 1>();
     __syncwarp();
+    // 1. The chunk's logits (own row) and bias.
+    float v[kStagedChunk];
     const unsigned char* mine = stages + stage * L::kStageBytes + lane * L::kChunkBytes;
-    std::uint32_t key[kStagedChunk];
-    float score = 0.0f;  // with a group limit: the group's score
-    if constexpr (kRaw) {
-      // 1. Raw packed keys of the chunk's logits (own row), by chunk-local index: the chunk's number
-      // goes into its 8 best and the one left out after step 3.
 #pragma unroll
-      for (int m = 0; m < L::kPieces; ++m) {
-        const uint4 u = *reinterpret_cast<const uint4*>(mine + 16 * L::piece_at(lane, m));
-        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+    for (int m = 0; m < L::kPieces; ++m) {
+      const uint4 u = *reinterpret_cast<const uint4*>(mine + 16 * L::piece_at(lane, m));
+      const unsigned w[4] = {u.x, u.y, u.z, u.w};
+      if constexpr (kDtype == DType::kFloat32) {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v[4 * m + t] = __uint_as_float(w[t]);
+      } else {
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          if constexpr (kDtype == DType::kFloat32) {
-            key[4 * m + t] = raw_packed_key(w[t], low_ones, 4 * m + t);
-          } else {
-            key[8 * m + 2 * t] = raw_packed_key(w[t] << 16, low_ones, 8 * m + 2 * t);
-            key[8 * m + 2 * t + 1] = raw_packed_key(w[t], low_ones, 8 * m + 2 * t + 1);
-          }
+          v[8 * m + 2 * t] = __uint_as_float(w[t] << 16);
+          v[8 * m + 2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
         }
       }
-      __syncwarp();  // every lane has read this stage before chunk c + kStages is copied into it
-    } else {
-      // 1. The chunk's logits (own row) and bias.
-      float v[kStagedChunk];
-#pragma unroll
-      for (int m = 0; m < L::kPieces; ++m) {
-        const uint4 u = *reinterpret_cast<const uint4*>(mine + 16 * L::piece_at(lane, m));
-        const unsigned w[4] = {u.x, u.y, u.z, u.w};
-        if constexpr (kDtype == DType::kFloat32) {
-#pragma unroll
-          for (int t = 0; t < 4; ++t) v[4 * m + t] = __uint_as_float(w[t]);
-        } else {
-#pragma unroll
-          for (int t = 0; t < 4; ++t) {
-            v[8 * m + 2 * t] = __uint_as_float(w[t] << 16);
-            v[8 * m + 2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
-          }
-        }
-      }
-      __syncwarp();  // every lane has read this stage before chunk c + kStages is copied into it
+    }
+    __syncwarp();  // every lane has read this stage before chunk c + kStages is copied into it
+    stage = stage + 1 == L::kStages ? 0 : stage + 1;
+    ahead = ahead + 1 == L::kStages ? 0 : ahead + 1;
+    std::uint32_t key[kStagedChunk];
+    if constexpr (kRule == StagedRule::kSigmoidBias) {
       float mx = 0.0f;
 #pragma unroll
       for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
@@ -394,50 +330,46 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         key[4 * m + 2] = canonical_key(__fadd_rn(v[4 * m + 2], b.z));
         key[4 * m + 3] = canonical_key(__fadd_rn(v[4 * m + 3], b.w));
       }
-      // 2. The group's score: its two largest full keys (with multiplicity), by a tree.
-      if constexpr (kGroups) {
-        std::uint32_t hi[kStagedChunk / 2], lo[kStagedChunk / 2];
+    } else {
+      // Softmax is monotone, so the logits order the experts as p does, except where two logits
+      // round to one p; kSoftmaxPicks tests that below (step 4).
 #pragma unroll
-        for (int i = 0; i < kStagedChunk / 2; ++i) {
-          hi[i] = max(key[2 * i], key[2 * i + 1]);
-          lo[i] = min(key[2 * i], key[2 * i + 1]);
-        }
+      for (int j = 0; j < kStagedChunk; ++j) key[j] = canonical_key(v[j]);
+    }
+    // 2. The group's score: its two largest full keys (with multiplicity), by a tree.
+    float score = 0.0f;
+    if constexpr (kGroups) {
+      std::uint32_t hi[kStagedChunk / 2], lo[kStagedChunk / 2];
 #pragma unroll
-        for (int level = 0; level < 4; ++level) {  // n = 8, 4, 2, 1 (a constant trip count: registers)
-          const int n = (kStagedChunk / 4) >> level;
+      for (int i = 0; i < kStagedChunk / 2; ++i) {
+        hi[i] = max(key[2 * i], key[2 * i + 1]);
+        lo[i] = min(key[2 * i], key[2 * i + 1]);
+      }
 #pragma unroll
-          for (int i = 0; i < kStagedChunk / 4; ++i) {
-            if (i < n) {
-              const std::uint32_t h = max(hi[i], hi[i + n]);
-              lo[i] = max(min(hi[i], hi[i + n]), max(lo[i], lo[i + n]));
-              hi[i] = h;
-            }
+      for (int level = 0; level < 4; ++level) {  // n = 8, 4, 2, 1 (a constant trip count: registers)
+        const int n = (kStagedChunk / 4) >> level;
+#pragma unroll
+        for (int i = 0; i < kStagedChunk / 4; ++i) {
+          if (i < n) {
+            const std::uint32_t h = max(hi[i], hi[i + n]);
+            lo[i] = max(min(hi[i], hi[i + n]), max(lo[i], lo[i + n]));
+            hi[i] = h;
           }
         }
-        const float s1 = key_score(hi[0]);
-        score = p.group_take == 1 ? s1 : fmaxf(__fadd_rn(s1, key_score(lo[0])), neg_inf());
       }
-      // Packed keys.
-      const std::uint32_t inv_base = index_mask - static_cast<std::uint32_t>(c * kStagedChunk);
-#pragma unroll
-      for (int j = 0; j < kStagedChunk; ++j) key[j] = (key[j] & ~index_mask) | (inv_base - j);
+      const float s1 = key_score(hi[0]);
+      score = p.group_take == 1 ? s1 : fmaxf(__fadd_rn(s1, key_score(lo[0])), neg_inf());
     }
-    stage = stage + 1 == L::kStages ? 0 : stage + 1;
-    ahead = ahead + 1 == L::kStages ? 0 : ahead + 1;
-    // 3. The chunk's top 8 and the largest left out.
+    // 3. Packed keys, the chunk's top 8 and the largest left out.
+    const std::uint32_t inv_base = index_mask - static_cast<std::uint32_t>(c * kStagedChunk);
+#pragma unroll
+    for (int j = 0; j < kStagedChunk; ++j) key[j] = (key[j] & ~index_mask) | (inv_base - j);
 #pragma unroll
     for (int q = 0; q < 4; ++q) sort8(key + 8 * q);
     std::uint32_t out0 = 0u, out2 = 0u;
     merge8(key, out0, key + 8, 0u);
     merge8(key + 16, out2, key + 24, 0u);
     merge8(key, out0, key + 16, out2);
-    if constexpr (kRaw) {
-      // The chunk's number into the index bits (ones from step 1: XOR gives the inverted expert).
-      const std::uint32_t chunk_bits = static_cast<std::uint32_t>(c * kStagedChunk);
-#pragma unroll
-      for (int i = 0; i < kStagedTopK; ++i) key[i] ^= chunk_bits;
-      out0 ^= chunk_bits;
-    }
     if constexpr (kGroups) {
       // Group c into the kept groups. Slots are unordered (merging their lists gives the same top 8 in
       // any order): the first topk_group groups fill them, then a group replaces the worst kept one
@@ -491,37 +423,11 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   }
   // bf16 logits keyed as they are (kLogits, kSoftmaxPicks): a key's low 16 bits are 0 (>= +0) or all
   // ones (< 0), so the packed keys lose nothing and order exactly as (key desc, expert asc).
-  constexpr bool kExactPacked = kDtype == DType::kBFloat16 && kRaw;
-  // A raw packed key's score_key bits (kExactPacked) and its canonical key (-0 as +0).
-  const auto raw_full_key = [&](std::uint32_t packed) {
+  constexpr bool kExactPacked = kDtype == DType::kBFloat16 && kRule != StagedRule::kSigmoidBias;
+  const auto full_key = [&](std::uint32_t packed) {
     return (packed & 0xffff0000u) | ((packed & 0x80000000u) ? 0u : 0xffffu);
   };
-  const auto full_key = [&](std::uint32_t packed) {
-    const std::uint32_t k = raw_full_key(packed);
-    return k == ~kZeroKey ? kZeroKey : k;  // ~kZeroKey: -0's score_key bits
-  };
   bool redo = !kExactPacked && row <= last && ((kth ^ after) & ~index_mask) == 0;
-  if constexpr (kRaw) {
-    // Where raw keys (step 1) order unlike the oracle's canonical ones: a row with +inf or NaN above
-    // (the first pick's bucket at or above +inf's), a K-th pick at -inf or NaN below (its bucket at or
-    // below -inf's), or +0 and -0 both among the picks and the one after them (their buckets are
-    // adjacent; the oracle ranks them equal, by expert). All rare in router logits; routed again.
-    const std::uint32_t hi = ~index_mask;
-    const std::uint32_t pos_zero = raw_packed_key(0u, low_ones, 0) & hi;
-    const std::uint32_t neg_zero = raw_packed_key(0x80000000u, low_ones, 0) & hi;
-    bool has_pos = false, has_neg = (after & hi) == neg_zero;
-#pragma unroll
-    for (int k = 0; k < kStagedTopK; ++k) {
-      if (k < K) {
-        has_pos = has_pos || (run[k] & hi) == pos_zero;
-        has_neg = has_neg || (k > 0 && (run[k] & hi) == neg_zero);
-      }
-    }
-    const bool special = run[0] >= (raw_packed_key(0x7f800000u, low_ones, 0) & hi) ||
-                         kth <= (raw_packed_key(0xff800000u, low_ones, 0) | index_mask) ||
-                         (has_pos && has_neg);
-    redo = redo || (row <= last && special);
-  }
   int e[kStagedTopK];
 #pragma unroll
   for (int k = 0; k < kStagedTopK; ++k) e[k] = static_cast<int>(index_mask - (run[k] & index_mask));
@@ -532,11 +438,11 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   std::uint32_t fk[kStagedTopK];
   const auto load_picks = [&]() {
     if constexpr (kExactPacked) {
-      // p from the key (raw: -0 is kept).
+      // p from the key, but for -0 (whose key is +0's): read the logit then.
 #pragma unroll
       for (int k = 0; k < kStagedTopK; ++k) {
         fk[k] = full_key(run[k]);
-        pv[k] = key_score(raw_full_key(run[k]));
+        pv[k] = fk[k] == kZeroKey ? load_one(row_ptr, static_cast<int>(kDtype), e[k]) : key_score(fk[k]);
       }
       return;
     }

@@ -259,13 +259,11 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     }
   }
 
-  // Without a group limit: the logits of the running top 8 and of the one left out, kStages chunks
-  // before the end (see the loop). Not for bf16 logits keyed as they are (kExactPacked below): their
-  // keys give them.
-  constexpr bool kEarly = !kGroups && !(kDtype == DType::kBFloat16 && kRule != StagedRule::kSigmoidBias);
-  float early[kStagedTopK + 1];
-#pragma unroll
-  for (int k = 0; k <= kStagedTopK; ++k) early[k] = 0.0f;
+  // Whether the picks' logits are read again after the last chunk: not for bf16 logits keyed as they
+  // are (kExactPacked below), whose keys give them (but -0). Their L2 prefetch below cost bf16
+  // qwen3-235b-a22b / gpt-oss-120b / llama4-maverick 11-15% at T = 65536 (session 32,
+  // bench/results/h200_2026-12-03_s32_staged_tail_ab.md).
+  constexpr bool kReloadPicks = kDtype == DType::kFloat32 || kRule == StagedRule::kSigmoidBias;
 
   // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty). (fp32 rows
   // still wait on their copies for a quarter of the warp-stall samples, ncu, session 31; prefetching
@@ -279,23 +277,19 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   int ahead = L::kStages - 1;  // chunk c + kStages - 1's
   for (int c = 0; c < chunks; ++c) {
     if (c + L::kStages - 1 < chunks) issue(c + L::kStages - 1, ahead);
-    if constexpr (kGroups) {
-      if (c + 1 == chunks && c > 0) {
-        // The picks' logits are read again at the end; by then the lines read first may have left L2
-        // (fp32 at T = 65536: 67 MB). Back into L2 now, during the last chunk: the kept groups' lines.
+    if (kReloadPicks && c + 1 == chunks && c > 0) {
+      // The picks' logits are read again at the end; by then the lines read first may have left L2
+      // (fp32 at T = 65536: 67 MB). Back into L2 now, during the last chunk: the lines of the kept
+      // groups, or of the running top 8.
+      if constexpr (kGroups) {
 #pragma unroll
         for (int j = 0; j < kStagedMaxGroups; ++j)
           if (j < p.topk_group) prefetch_line_l2(row_ptr + gid[j] * L::kChunkBytes);
-      }
-    } else if (kEarly && c == chunks - L::kStages && c > 0) {
-      // The logits of the running top 8 and of the best key left out (step 4), loaded now, kStages
-      // chunks before the end: their latency hides behind those chunks, and their lines were read
-      // recently. (Read again after the last chunk, they came from DRAM at T = 65536, a serial tail of
-      // ~10 us in a model of the kernel; session 32.)
+      } else {
 #pragma unroll
-      for (int k = 0; k <= kStagedTopK; ++k)
-        early[k] = load_one(row_ptr, static_cast<int>(kDtype),
-                            static_cast<int>(index_mask - ((k < kStagedTopK ? run[k] : run_out) & index_mask)));
+        for (int k = 0; k < kStagedTopK; ++k)
+          prefetch_line_l2(row_ptr + static_cast<int>(index_mask - (run[k] & index_mask)) * L::kElem);
+      }
     }
     cp_async_commit();  // possibly empty: groups 0 .. c done = chunk c landed
     cp_async_wait<L::kStages - 1>();
@@ -444,44 +438,6 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
 #pragma unroll
   for (int k = 0; k < kStagedTopK; ++k) e[k] = static_cast<int>(index_mask - (run[k] & index_mask));
 
-  // Without a group limit: the logits of the 8 best keys and of the one left out (lv[8]). Experts of the
-  // last kStages chunks are still in the stages; the others were among the running top 8 or the one
-  // left out when `early` was loaded, and, as packed keys are distinct, those of them kept in the list
-  // are its first ones, in order: the j-th such one is early[j].
-  float lv[kStagedTopK + 1];
-  if constexpr (kEarly) {
-    const int first_staged = (chunks - L::kStages) * kStagedChunk;  // <= 0: every chunk staged
-    int olds = 0;
-#pragma unroll
-    for (int k = 0; k <= kStagedTopK; ++k) {
-      const int ek = static_cast<int>(index_mask - ((k < kStagedTopK ? run[k] : run_out) & index_mask));
-      const int j = ek % kStagedChunk;
-      const int piece = j / (16 / L::kElem);
-      const unsigned char* at = stages + ((ek / kStagedChunk) % L::kStages) * L::kStageBytes +
-                                lane * L::kChunkBytes + 16 * L::piece_at(lane, piece) + (j % (16 / L::kElem)) * L::kElem;
-      float v;
-      if constexpr (kDtype == DType::kFloat32) {
-        v = *reinterpret_cast<const float*>(at);
-      } else {
-        v = __uint_as_float(static_cast<std::uint32_t>(*reinterpret_cast<const unsigned short*>(at)) << 16);
-      }
-      const bool old_pick = ek < first_staged;
-      float o = early[0];
-#pragma unroll
-      for (int i = 1; i <= k; ++i) o = olds == i ? early[i] : o;
-      lv[k] = old_pick ? o : v;
-      olds += old_pick ? 1 : 0;
-    }
-  }
-  // The logit of expert e[k] of the list (k <= 8: 8 is the one left out).
-  const auto logit_of = [&](int k, int ek) {
-    if constexpr (kEarly) {
-      return lv[k];
-    } else {
-      return load_one(row_ptr, static_cast<int>(kDtype), ek);
-    }
-  };
-
   // The picks' p (kSoftmaxPicks: the logits) and full keys, from their logits; picks of one bucket
   // into key order.
   float pv[kStagedTopK];
@@ -499,7 +455,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     bool sorted = true;
 #pragma unroll
     for (int k = 0; k < kStagedTopK; ++k) {
-      const float s = logit_of(k, e[k]);
+      const float s = load_one(row_ptr, static_cast<int>(kDtype), e[k]);
       if constexpr (kRule == StagedRule::kSigmoidBias) {
         pv[k] = sigmoid_pre(s);
         fk[k] = canonical_key(__fadd_rn(pv[k], bias[e[k]]));
@@ -545,10 +501,8 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         if (((kth_bit >> k) & 1u) && below == fk[k]) below -= 0x10000u;
       after_s = key_score(below);
     } else {
-      // after: run[K] (K < 8) or the one left out.
-      after_s = lv[kStagedTopK];
-#pragma unroll
-      for (int k = 1; k < kStagedTopK; ++k) after_s = (kth_bit >> (k - 1)) & 1u ? lv[k] : after_s;
+      after_s =
+          load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));
     }
     const bool doubt = softmax_picks_doubtful(
         K, pv, fk, e, after_s, [](float x) { return exp_any(x); }, t);

@@ -64,4 +64,40 @@ SY_HD void merge8(std::uint32_t* a, std::uint32_t& na, const std::uint32_t* b, s
   cx(a[0], a[1]), cx(a[2], a[3]), cx(a[4], a[5]), cx(a[6], a[7]);
 }
 
+// Descending compare-exchange of a and b that moves a value with each key (keys distinct).
+SY_HD void cx_carry(std::uint32_t& a, std::uint32_t& av, std::uint32_t& b, std::uint32_t& bv) {
+  const bool swap = b > a;
+  const std::uint32_t t = a, tv = av;
+  a = swap ? b : a;
+  av = swap ? bv : av;
+  b = swap ? t : b;
+  bv = swap ? tv : bv;
+}
+
+// merge8 with a 32-bit value carried by each key (av[i] belongs to a[i], bv[i] to b[i]; keys distinct):
+// a, av := the top 8 of a and b and their values; na as merge8's (a key only).
+SY_HD void merge8_carry(std::uint32_t* a, std::uint32_t* av, std::uint32_t& na, const std::uint32_t* b,
+                        const std::uint32_t* bv, std::uint32_t nb) {
+  std::uint32_t lo[8];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < 8; ++i) {
+    const bool take = b[7 - i] > a[i];
+    lo[i] = take ? a[i] : b[7 - i];
+    a[i] = take ? b[7 - i] : a[i];
+    av[i] = take ? bv[7 - i] : av[i];
+  }
+  na = umax32(umax32(umax32(na, nb), umax32(umax32(lo[0], lo[1]), umax32(lo[2], lo[3]))),
+              umax32(umax32(lo[4], lo[5]), umax32(lo[6], lo[7])));
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < 4; ++i) cx_carry(a[i], av[i], a[i + 4], av[i + 4]);
+  cx_carry(a[0], av[0], a[2], av[2]), cx_carry(a[1], av[1], a[3], av[3]);
+  cx_carry(a[4], av[4], a[6], av[6]), cx_carry(a[5], av[5], a[7], av[7]);
+  cx_carry(a[0], av[0], a[1], av[1]), cx_carry(a[2], av[2], a[3], av[3]);
+  cx_carry(a[4], av[4], a[5], av[5]), cx_carry(a[6], av[6], a[7], av[7]);
+}
+
 }  // namespace switchyard::detail

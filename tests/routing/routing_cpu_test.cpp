@@ -1190,6 +1190,40 @@ TEST(TopEightNetwork, SortsMergesAndTracksTheNinth) {
     for (int i = 0; i < 8; ++i) ASSERT_EQ(s[0][i], v[i]) << "trial " << t;
     ASSERT_EQ(n0, v[8]) << "trial " << t;
   }
+  // merge8_carry (the staged kernels' running top 8 with the picks' logits): distinct keys, as the
+  // kernels' packed keys are; each value must stay with its key, and the keys and the largest left out
+  // must be merge8's.
+  using switchyard::detail::merge8_carry;
+  const auto value_of = [](std::uint32_t k) { return k * 2654435761u ^ 0x9e3779b9u; };
+  for (int t = 0; t < 20000; ++t) {
+    std::vector<std::uint32_t> pool(18);
+    const std::uint32_t range = 18u + static_cast<std::uint32_t>(g() % 64);  // dense: many near keys
+    for (std::size_t i = 0; i < pool.size(); ++i) {
+      std::uint32_t k;
+      do k = static_cast<std::uint32_t>(g() % range);
+      while (std::find(pool.begin(), pool.begin() + static_cast<std::ptrdiff_t>(i), k) !=
+             pool.begin() + static_cast<std::ptrdiff_t>(i));
+      pool[i] = k;
+    }
+    // a: 8 kept and one left out (below all 8), b likewise, as a running list and a chunk's top 8.
+    std::sort(pool.begin(), pool.begin() + 9, std::greater<std::uint32_t>());
+    std::sort(pool.begin() + 9, pool.end(), std::greater<std::uint32_t>());
+    std::uint32_t a[8], av[8], b[8], bv[8], a2[8], b2[8];
+    for (int i = 0; i < 8; ++i) {
+      a[i] = a2[i] = pool[i];
+      av[i] = value_of(pool[i]);
+      b[i] = b2[i] = pool[9 + i];
+      bv[i] = value_of(pool[9 + i]);
+    }
+    std::uint32_t na = pool[8], na2 = pool[8];
+    merge8_carry(a, av, na, b, bv, pool[17]);
+    merge8(a2, na2, b2, pool[17]);
+    for (int i = 0; i < 8; ++i) {
+      ASSERT_EQ(a[i], a2[i]) << "trial " << t;
+      ASSERT_EQ(av[i], value_of(a[i])) << "trial " << t << ", key " << i;
+    }
+    ASSERT_EQ(na, na2) << "trial " << t;
+  }
 }
 
 // The p test of the staged softmax -> normalize rows (common/softmax_picks.h; uses the library's exp_f32,

@@ -38,7 +38,9 @@
 //      exactly from global memory would run a serial chain of E loads: at T = 65536 the slowest
 //      warps then set the call's time (100 us against 57 for deepseek-v3; session 30). The picks'
 //      p and full keys are recomputed from their logits (p is needed for the weights anyway), and
-//      picks of one bucket are put in key order. Softmax rows are also redone where unequal logits
+//      picks of one bucket are put in key order. The picks' logits: without a group limit carried
+//      with the running top 8 (each chunk's top 8 read from its stage by expert), with one read
+//      again from global memory; bf16 logits keyed as they are give them by their keys. Softmax rows are also redone where unequal logits
 //      could round to one p (the oracle ranks those by expert): common/softmax_picks.h.
 //   5. Weights and outputs: route_rows.cuh's store_thread_row, the oracle's arithmetic. Softmax ->
 //      normalize rows: w = exp(s - m) / (sum of the picks' exp(s - m)) * scale in fp64, one rounding
@@ -194,6 +196,7 @@ __device__ __forceinline__ void prefetch_line_l2(const void* ptr) {
 }
 
 using ::switchyard::detail::merge8;  // common/top8_network.h
+using ::switchyard::detail::merge8_carry;
 using ::switchyard::detail::softmax_picks_doubtful;  // common/softmax_picks.h
 using ::switchyard::detail::sort8;
 
@@ -238,8 +241,10 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   while ((1 << bits) < E) ++bits;
   const std::uint32_t index_mask = (1u << bits) - 1u;
 
-  // Without a group limit: the row's running top 8 (0: empty) and the largest key left out.
+  // Without a group limit: the row's running top 8 (0: empty), with kCarry their logits' bits (below),
+  // and the largest key left out.
   std::uint32_t run[kStagedTopK];
+  std::uint32_t run_bits[kStagedTopK];
   std::uint32_t run_out = 0u;
   // With one: the best topk_group groups so far (slot j: score, group, top 8, largest left out).
   float gscore[kStagedMaxGroups];
@@ -247,7 +252,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   std::uint32_t glist[kStagedMaxGroups][kStagedTopK];
   std::uint32_t gout[kStagedMaxGroups];
 #pragma unroll
-  for (int i = 0; i < kStagedTopK; ++i) run[i] = 0u;
+  for (int i = 0; i < kStagedTopK; ++i) run[i] = run_bits[i] = 0u;
   if constexpr (kGroups) {
 #pragma unroll
     for (int j = 0; j < kStagedMaxGroups; ++j) {
@@ -259,11 +264,19 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     }
   }
 
-  // Whether the picks' logits are read again after the last chunk: not for bf16 logits keyed as they
-  // are (kExactPacked below), whose keys give them (but -0). Their L2 prefetch below cost bf16
-  // qwen3-235b-a22b / gpt-oss-120b / llama4-maverick 11-15% at T = 65536 (session 32,
-  // bench/results/h200_2026-12-03_s32_staged_tail_ab.md).
-  constexpr bool kReloadPicks = kDtype == DType::kFloat32 || kRule == StagedRule::kSigmoidBias;
+  // bf16 logits keyed as they are (kLogits, kSoftmaxPicks): a key's low 16 bits are 0 (>= +0) or all
+  // ones (< 0), so the packed keys lose nothing and order exactly as (key desc, expert asc).
+  constexpr bool kExactPacked = kDtype == DType::kBFloat16 && kRule != StagedRule::kSigmoidBias;
+  // Where the picks' logits come from after the last chunk. kExactPacked: their keys (but -0). kCarry
+  // (every other rule without a group limit): the running top 8 carries them (merge8_carry), each
+  // chunk's top 8 read from its stage by expert; a reload from global memory instead cost fp32
+  // softmax-e256-k8 ~10 us of 31 at T = 65536 (67 MB: the lines read first have left L2; session 32's
+  // model kernel, bench/results/h200_2026-12-03_s32_model_staged_tail.cu). With a group limit
+  // (kReloadPicks) they are read again, the kept groups' lines prefetched into L2 during the last
+  // chunk. (The prefetch cost bf16 logits keyed as they are 11-15% at T = 65536: session 32,
+  // bench/results/h200_2026-12-03_s32_staged_tail_ab.md.)
+  constexpr bool kCarry = !kGroups && !kExactPacked;
+  constexpr bool kReloadPicks = kGroups;
 
   // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty). (fp32 rows
   // still wait on their copies for a quarter of the warp-stall samples, ncu, session 31; prefetching
@@ -281,15 +294,9 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       // The picks' logits are read again at the end; by then the lines read first may have left L2
       // (fp32 at T = 65536: 67 MB). Back into L2 now, during the last chunk: the lines of the kept
       // groups, or of the running top 8.
-      if constexpr (kGroups) {
 #pragma unroll
-        for (int j = 0; j < kStagedMaxGroups; ++j)
-          if (j < p.topk_group) prefetch_line_l2(row_ptr + gid[j] * L::kChunkBytes);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kStagedTopK; ++k)
-          prefetch_line_l2(row_ptr + static_cast<int>(index_mask - (run[k] & index_mask)) * L::kElem);
-      }
+      for (int j = 0; j < kStagedMaxGroups; ++j)
+        if (j < p.topk_group) prefetch_line_l2(row_ptr + gid[j] * L::kChunkBytes);
     }
     cp_async_commit();  // possibly empty: groups 0 .. c done = chunk c landed
     cp_async_wait<L::kStages - 1>();
@@ -312,7 +319,8 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         }
       }
     }
-    __syncwarp();  // every lane has read this stage before chunk c + kStages is copied into it
+    // Every lane has read this stage before chunk c + kStages is copied into it (kCarry: below).
+    if constexpr (!kCarry) __syncwarp();
     stage = stage + 1 == L::kStages ? 0 : stage + 1;
     ahead = ahead + 1 == L::kStages ? 0 : ahead + 1;
     std::uint32_t key[kStagedChunk];
@@ -403,6 +411,20 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
 #pragma unroll
         for (int i = 0; i < kStagedTopK; ++i) glist[j][i] = s ? key[i] : glist[j][i];
       }
+    } else if constexpr (kCarry) {
+      // The chunk's top 8's logits, from the stage by expert (before the stage is copied into again).
+      std::uint32_t bits_of[kStagedTopK];
+#pragma unroll
+      for (int r = 0; r < kStagedTopK; ++r) {
+        const int byte = static_cast<int>(inv_base - (key[r] & index_mask)) * L::kElem;
+        const unsigned char* at = mine + 16 * L::piece_at(lane, byte / 16) + byte % 16;
+        if constexpr (kDtype == DType::kFloat32)
+          bits_of[r] = *reinterpret_cast<const std::uint32_t*>(at);
+        else
+          bits_of[r] = static_cast<std::uint32_t>(*reinterpret_cast<const unsigned short*>(at)) << 16;
+      }
+      __syncwarp();
+      merge8_carry(run, run_bits, run_out, key, bits_of, out0);
     } else {
       merge8(run, run_out, key, out0);
     }
@@ -427,9 +449,6 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     kth = (kth_bit >> k) & 1u ? run[k] : kth;
     after = (kth_bit >> (k - 1)) & 1u ? run[k] : after;
   }
-  // bf16 logits keyed as they are (kLogits, kSoftmaxPicks): a key's low 16 bits are 0 (>= +0) or all
-  // ones (< 0), so the packed keys lose nothing and order exactly as (key desc, expert asc).
-  constexpr bool kExactPacked = kDtype == DType::kBFloat16 && kRule != StagedRule::kSigmoidBias;
   const auto full_key = [&](std::uint32_t packed) {
     return (packed & 0xffff0000u) | ((packed & 0x80000000u) ? 0u : 0xffffu);
   };
@@ -455,7 +474,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     bool sorted = true;
 #pragma unroll
     for (int k = 0; k < kStagedTopK; ++k) {
-      const float s = load_one(row_ptr, static_cast<int>(kDtype), e[k]);
+      const float s = kCarry ? __uint_as_float(run_bits[k]) : load_one(row_ptr, static_cast<int>(kDtype), e[k]);
       if constexpr (kRule == StagedRule::kSigmoidBias) {
         pv[k] = sigmoid_pre(s);
         fk[k] = canonical_key(__fadd_rn(pv[k], bias[e[k]]));
@@ -500,6 +519,8 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       for (int k = 0; k < kStagedTopK; ++k)
         if (((kth_bit >> k) & 1u) && below == fk[k]) below -= 0x10000u;
       after_s = key_score(below);
+    } else if constexpr (kCarry) {
+      after_s = key_score(after | index_mask);  // the largest logit of its bucket: an upper bound
     } else {
       after_s =
           load_one(row_ptr, static_cast<int>(kDtype), static_cast<int>(index_mask - (after & index_mask)));

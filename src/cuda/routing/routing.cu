@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -581,14 +580,10 @@ __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_ke
     if constexpr (kRule == StagedRule::kSoftmaxPicks) p.post = PostFn::kNormalize;
   }
   const int warp = static_cast<int>(threadIdx.x >> 5);
-  // Block b: row groups b, b + gridDim.x, ... (a pass of the grid at a time; see launch_route_staged).
-  const std::int64_t pass_rows = static_cast<std::int64_t>(gridDim.x) * routing::kStagedWarps * 32;
-  for (std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * routing::kStagedWarps + warp) * 32;
-       first_row < p.num_tokens; first_row += pass_rows) {  // whole warp: no block barrier follows
-    routing::route_staged_warp<kDtype, kRule, kGroups>(
-        p, first_row, staged_smem + Layout::kBiasBytes + warp * Layout::kWarpBytes, bias);
-    __syncwarp();  // lanes done early (redo rows) wait before the next group's copies into the stages
-  }
+  const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * routing::kStagedWarps + warp) * 32;
+  if (first_row >= p.num_tokens) return;  // whole warp: no barrier follows
+  routing::route_staged_warp<kDtype, kRule, kGroups>(
+      p, first_row, staged_smem + Layout::kBiasBytes + warp * Layout::kWarpBytes, bias);
 }
 
 // One staged kernel over `blocks` blocks; its shared memory passes the 48 KB default (an opt-in).
@@ -606,15 +601,8 @@ Status launch_staged_kernel(const RouteParams& p, std::int64_t blocks, cudaStrea
 Status launch_route_staged(const RouteParams& p, cudaStream_t stream) {
   using routing::StagedRule;
   const std::int64_t rows_per_block = 32 * routing::kStagedWarps;
-  std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
+  const std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
   if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
-  // EXPERIMENT: SWITCHYARD_ROUTE_STAGED_PER_SM=n caps the grid at n blocks an SM.
-  if (const char* env = std::getenv("SWITCHYARD_ROUTE_STAGED_PER_SM"); env != nullptr && std::atoi(env) > 0) {
-    int sms = 0;
-    const Status sm_status = current_sm_count("route", &sms);
-    if (!sm_status.ok()) return sm_status;
-    blocks = std::min<std::int64_t>(blocks, static_cast<std::int64_t>(sms) * std::atoi(env));
-  }
   StagedRule rule = StagedRule::kSigmoidBias;
   routing::staged_rule_of(p, &rule);
   const bool groups = p.group_path != routing::kGroupNone;

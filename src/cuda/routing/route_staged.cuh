@@ -38,9 +38,9 @@
 //      exactly from global memory would run a serial chain of E loads: at T = 65536 the slowest
 //      warps then set the call's time (100 us against 57 for deepseek-v3; session 30). The picks'
 //      p and full keys are recomputed from their logits (p is needed for the weights anyway), and
-//      picks of one bucket are put in key order. The picks' logits: without a group limit carried
-//      with the running top 8 (each chunk's top 8 read from its stage by expert), with one read
-//      again from global memory; bf16 logits keyed as they are give them by their keys. Softmax rows are also redone where unequal logits
+//      picks of one bucket are put in key order. The picks' logits: fp32 rows without a group limit
+//      carry them with the running top 8 (each chunk's top 8 read from its stage by expert), bf16
+//      logits keyed as they are give them by their keys, other rows read them again. Softmax rows are also redone where unequal logits
 //      could round to one p (the oracle ranks those by expert): common/softmax_picks.h.
 //   5. Weights and outputs: route_rows.cuh's store_thread_row, the oracle's arithmetic. Softmax ->
 //      normalize rows: w = exp(s - m) / (sum of the picks' exp(s - m)) * scale in fp64, one rounding
@@ -268,15 +268,16 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   // ones (< 0), so the packed keys lose nothing and order exactly as (key desc, expert asc).
   constexpr bool kExactPacked = kDtype == DType::kBFloat16 && kRule != StagedRule::kSigmoidBias;
   // Where the picks' logits come from after the last chunk. kExactPacked: their keys (but -0). kCarry
-  // (every other rule without a group limit): the running top 8 carries them (merge8_carry), each
-  // chunk's top 8 read from its stage by expert; a reload from global memory instead cost fp32
-  // softmax-e256-k8 ~10 us of 31 at T = 65536 (67 MB: the lines read first have left L2; session 32's
-  // model kernel, bench/results/h200_2026-12-03_s32_model_staged_tail.cu). With a group limit
-  // (kReloadPicks) they are read again, the kept groups' lines prefetched into L2 during the last
-  // chunk. (The prefetch cost bf16 logits keyed as they are 11-15% at T = 65536: session 32,
-  // bench/results/h200_2026-12-03_s32_staged_tail_ab.md.)
-  constexpr bool kCarry = !kGroups && !kExactPacked;
-  constexpr bool kReloadPicks = kGroups;
+  // (fp32 logits without a group limit): the running top 8 carries them (merge8_carry), each chunk's
+  // top 8 read from its stage by expert. A reload from global memory instead costs at T = 65536 (67 MB:
+  // the lines read first have left L2): softmax-e256-k8 29.3 against 30.9 us, qwen3-235b-a22b 16.5
+  // against 18.4 (session 33, bench/results/h200_2026-12-04_s33_carry_picks.md). Otherwise
+  // (kReloadPicks: bf16 sigmoid + bias rows, whose 33 MB stay in L2 - carrying cost glm-4.5 bf16 3% -
+  // and rows with a group limit, whose kept groups' lists would need 32 more registers) they are
+  // read again, their lines prefetched into L2 during the last chunk. (The prefetch cost bf16 logits
+  // keyed as they are 11-15% at T = 65536: session 32, bench/results/h200_2026-12-03_s32_staged_tail_ab.md.)
+  constexpr bool kCarry = !kGroups && kDtype == DType::kFloat32;
+  constexpr bool kReloadPicks = !kCarry && !kExactPacked;
 
   // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty). (fp32 rows
   // still wait on their copies for a quarter of the warp-stall samples, ncu, session 31; prefetching
@@ -294,9 +295,15 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       // The picks' logits are read again at the end; by then the lines read first may have left L2
       // (fp32 at T = 65536: 67 MB). Back into L2 now, during the last chunk: the lines of the kept
       // groups, or of the running top 8.
+      if constexpr (kGroups) {
 #pragma unroll
-      for (int j = 0; j < kStagedMaxGroups; ++j)
-        if (j < p.topk_group) prefetch_line_l2(row_ptr + gid[j] * L::kChunkBytes);
+        for (int j = 0; j < kStagedMaxGroups; ++j)
+          if (j < p.topk_group) prefetch_line_l2(row_ptr + gid[j] * L::kChunkBytes);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kStagedTopK; ++k)
+          prefetch_line_l2(row_ptr + static_cast<int>(index_mask - (run[k] & index_mask)) * L::kElem);
+      }
     }
     cp_async_commit();  // possibly empty: groups 0 .. c done = chunk c landed
     cp_async_wait<L::kStages - 1>();

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
@@ -1196,15 +1197,11 @@ TEST(TopEightNetwork, SortsMergesAndTracksTheNinth) {
   using switchyard::detail::merge8_carry;
   const auto value_of = [](std::uint32_t k) { return k * 2654435761u ^ 0x9e3779b9u; };
   for (int t = 0; t < 20000; ++t) {
-    std::vector<std::uint32_t> pool(18);
-    const std::uint32_t range = 18u + static_cast<std::uint32_t>(g() % 64);  // dense: many near keys
-    for (std::size_t i = 0; i < pool.size(); ++i) {
-      std::uint32_t k;
-      do k = static_cast<std::uint32_t>(g() % range);
-      while (std::find(pool.begin(), pool.begin() + static_cast<std::ptrdiff_t>(i), k) !=
-             pool.begin() + static_cast<std::ptrdiff_t>(i));
-      pool[i] = k;
-    }
+    // 18 distinct keys of 0 .. range - 1, dense: many near keys.
+    std::vector<std::uint32_t> pool(18u + static_cast<std::uint32_t>(g() % 64));
+    std::iota(pool.begin(), pool.end(), 0u);
+    std::shuffle(pool.begin(), pool.end(), g);
+    pool.resize(18);
     // a: 8 kept and one left out (below all 8), b likewise, as a running list and a chunk's top 8.
     std::sort(pool.begin(), pool.begin() + 9, std::greater<std::uint32_t>());
     std::sort(pool.begin() + 9, pool.end(), std::greater<std::uint32_t>());

@@ -40,8 +40,9 @@
 //      p and full keys are recomputed from their logits (p is needed for the weights anyway), and
 //      picks of one bucket are put in key order. The picks' logits: fp32 rows without a group limit
 //      carry them with the running top 8 (each chunk's top 8 read from its stage by expert), bf16
-//      logits keyed as they are give them by their keys, other rows read them again. Softmax rows are also redone where unequal logits
-//      could round to one p (the oracle ranks those by expert): common/softmax_picks.h.
+//      logits keyed as they are give them by their keys, other rows read them again. Softmax rows are also
+//      redone where unequal logits could round to one p (the oracle ranks those by expert):
+//      common/softmax_picks.h.
 //   5. Weights and outputs: route_rows.cuh's store_thread_row, the oracle's arithmetic. Softmax ->
 //      normalize rows: w = exp(s - m) / (sum of the picks' exp(s - m)) * scale in fp64, one rounding
 //      (the oracle's full softmax cancels out of its normalisation; its sum over all E experts would
@@ -419,16 +420,14 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         for (int i = 0; i < kStagedTopK; ++i) glist[j][i] = s ? key[i] : glist[j][i];
       }
     } else if constexpr (kCarry) {
-      // The chunk's top 8's logits, from the stage by expert (before the stage is copied into again).
+      // The chunk's top 8's fp32 logits, from the stage by expert (before the stage is copied into
+      // again): expert j's 4 bytes sit in piece 4j / 16.
       std::uint32_t bits_of[kStagedTopK];
 #pragma unroll
       for (int r = 0; r < kStagedTopK; ++r) {
-        const int byte = static_cast<int>(inv_base - (key[r] & index_mask)) * L::kElem;
-        const unsigned char* at = mine + 16 * L::piece_at(lane, byte / 16) + byte % 16;
-        if constexpr (kDtype == DType::kFloat32)
-          bits_of[r] = *reinterpret_cast<const std::uint32_t*>(at);
-        else
-          bits_of[r] = static_cast<std::uint32_t>(*reinterpret_cast<const unsigned short*>(at)) << 16;
+        const int byte = static_cast<int>(inv_base - (key[r] & index_mask)) * 4;
+        bits_of[r] =
+            *reinterpret_cast<const std::uint32_t*>(mine + 16 * L::piece_at(lane, byte / 16) + byte % 16);
       }
       __syncwarp();
       merge8_carry(run, run_bits, run_out, key, bits_of, out0);
@@ -481,7 +480,8 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     bool sorted = true;
 #pragma unroll
     for (int k = 0; k < kStagedTopK; ++k) {
-      const float s = kCarry ? __uint_as_float(run_bits[k]) : load_one(row_ptr, static_cast<int>(kDtype), e[k]);
+      const float s =
+          kCarry ? __uint_as_float(run_bits[k]) : load_one(row_ptr, static_cast<int>(kDtype), e[k]);
       if constexpr (kRule == StagedRule::kSigmoidBias) {
         pv[k] = sigmoid_pre(s);
         fk[k] = canonical_key(__fadd_rn(pv[k], bias[e[k]]));

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "common/approx_certify.h"
 #include "common/routing_math.h"
 #include "common/routing_names.h"
 #include "common/softmax_picks.h"
@@ -1136,7 +1137,6 @@ TEST(RoutingCpu, GroupFieldsIgnoredWithoutGroupRule) {
   }
 }
 
-
 // The sorting networks of the staged routing kernels (common/top8_network.h): sort8 on every 0-1
 // input (the 0-1 principle: then it sorts every input), merge8 on every pair of sorted 0-1 lists and
 // their left-out keys, and both on random keys with many ties against std::sort, as the kernels use
@@ -1305,6 +1305,164 @@ TEST(SoftmaxPicksTest, PassesOnlyRowsWhoseLogitOrderIsTheOracles) {
       }
     }
   }
+}
+
+// route_staged.cuh's approximate selection of sigmoid + bias rows (common/approx_certify.h), as a model:
+// every finite |s| <= 86.5 gets a sigmoid off the oracle's by up to kErr = 2^-21 (either extreme, or in
+// between; other logits take the exact one, as in the kernel), the groups are kept as the kernel keeps
+// them (the first topk_group, then a later group replacing the worst kept one only when strictly
+// better), the K picks are the best by approximate (q' desc, expert asc) in the kept groups and u the
+// best q' left out there. Wherever both certifications pass, the picks in exact (q desc, expert asc)
+// order must be the oracle's ids. Rows: clusters of logits a few ulps apart, N(0, 1), tied levels;
+// biases a few ulps apart, N(0, 0.5), 1000 on half the experts (q in ulps of 2^-14), +-1e30 on some,
+// -inf masks and NaNs on some experts and +inf on a few. The kernel bounds u by the top of its packed bucket,
+// a larger value, so it certifies fewer rows, never more.
+TEST(ApproxCertifyTest, CertifiedRowsAreTheOracles) {
+  SY_SEEDED(seed);
+  std::mt19937_64 g(seed_gen());
+  namespace d = switchyard::detail;
+  constexpr float kErr = 0x1p-21f;
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const auto approx_sigmoid = [&](float s) {
+    const float exact = d::pre_elementwise(PreFn::kSigmoid, s);
+    if (!(std::fabs(s) <= 86.5f)) return exact;
+    const unsigned mode = static_cast<unsigned>(g() % 4);
+    const double off = mode == 0   ? kErr
+                       : mode == 1 ? -kErr
+                                   : kErr * (std::ldexp(static_cast<double>(g() % 2001), -10) - 1.0);
+    float a = static_cast<float>(exact + off);
+    while (std::fabs(static_cast<double>(a) - exact) > kErr) a = std::nextafter(a, exact);
+    return a;
+  };
+  int total_cluster_redo = 0, total_wrong_if_trusted = 0;
+  for (int E : {32, 64, 160, 256, 512}) {
+    for (int K : {1, 2, 5, 8}) {
+      for (int grouped = 0; grouped < 2; ++grouped) {
+        const int n_group = E / 32;
+        if (grouped && n_group < 2) continue;
+        for (int bias_kind = 0; bias_kind < 5; ++bias_kind) {
+          const std::int64_t T = 240;
+          RoutingConfig c = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+          if (grouped) {
+            c.group_rule = g() % 2 ? GroupRule::kTop2Sum : GroupRule::kMax;
+            c.n_group = n_group;
+            c.topk_group = 1 + static_cast<int>(g() % std::min(4, n_group - 1));
+          }
+          const int take = c.group_rule == GroupRule::kTop2Sum ? 2 : 1;
+          std::vector<float> v = sy_test::random_normal(static_cast<std::size_t>(T) * E, g(), 1.0f);
+          for (std::int64_t t = 0; t < T; ++t) {
+            float* row = v.data() + t * E;
+            if (t % 3 == 0) {  // a cluster of 1 + (t % 40) logits within 48 ulps of a level in [3, 4)
+              for (int e = 0; e < E; ++e) row[e] -= 1.0f;
+              const float base = 3.0f + 0.125f * static_cast<float>(g() % 8);
+              for (int j = 0, m = std::min(E, 1 + static_cast<int>(t % 40)); j < m; ++j)
+                row[g() % E] = d::bits_float(d::float_bits(base) + static_cast<std::uint32_t>(g() % 48));
+            } else if (t % 3 == 2) {
+              for (int e = 0; e < E; ++e) row[e] = std::round(row[e] * 8.0f) / 8.0f;
+            }
+          }
+          std::vector<float> b(static_cast<std::size_t>(E));
+          for (float& x : b) {
+            const float tiny = std::ldexp(static_cast<float>(g() % 4), -22);
+            x = bias_kind == 0   ? tiny
+                : bias_kind == 1 ? 0.5f * static_cast<float>(sy_test::random_normal(1, g(), 1.0f)[0])
+                : bias_kind == 2 ? 1000.0f * static_cast<float>(g() % 2) + tiny
+                : bias_kind == 3 ? (g() % 8 == 0 ? (g() % 2 ? 1e30f : -1e30f) : tiny)
+                                 : (g() % 8 == 0    ? (g() % 2 ? -inf : nan)
+                                    : g() % 64 == 0 ? inf
+                                                    : tiny);
+          }
+          std::vector<std::int32_t> ids(static_cast<std::size_t>(T) * K, sy_test::kPoisonI32);
+          std::vector<float> w(static_cast<std::size_t>(T) * K);
+          ASSERT_TRUE(switchyard::route(c, TensorView::of(v.data(), DType::kFloat32, {T, E}),
+                                        TensorView::of(b.data(), DType::kFloat32, {E}),
+                                        TensorView::of(ids.data(), DType::kInt32, {T, K}),
+                                        TensorView::of(w.data(), DType::kFloat32, {T, K}))
+                          .ok());
+          float b_max = 0.0f;
+          for (float x : b)
+            if (std::fabs(x) < inf) b_max = std::max(b_max, std::fabs(x));
+          const d::ApproxMargins margins = d::approx_margins(b_max, kErr);
+          int certified = 0, certified_normal = 0;
+          for (std::int64_t t = 0; t < T; ++t) {
+            const float* row = v.data() + t * E;
+            std::vector<float> qa(E), qe(E);
+            for (int e = 0; e < E; ++e) {
+              qa[e] = d::canonical_score(approx_sigmoid(row[e]) + b[e]);
+              qe[e] = d::canonical_score(d::pre_elementwise(PreFn::kSigmoid, row[e]) + b[e]);
+            }
+            // Groups, as the kernel keeps them.
+            std::vector<int> cand;
+            bool groups_ok = true;
+            if (grouped) {
+              std::vector<int> kept;
+              std::vector<float> kept_score;
+              float dropped = d::neg_inf();
+              for (int gi = 0; gi < n_group; ++gi) {
+                std::vector<float> gq(qa.begin() + 32 * gi, qa.begin() + 32 * gi + 32);
+                std::partial_sort(gq.begin(), gq.begin() + 2, gq.end(), std::greater<float>());
+                const float score = d::canonical_score(take == 2 ? gq[0] + gq[1] : gq[0]);
+                if (gi < c.topk_group) {
+                  kept.push_back(gi);
+                  kept_score.push_back(score);
+                  continue;
+                }
+                std::size_t worst = 0;
+                for (std::size_t j = 1; j < kept.size(); ++j)
+                  if (kept_score[j] < kept_score[worst] ||
+                      (kept_score[j] == kept_score[worst] && kept[j] > kept[worst]))
+                    worst = j;
+                if (score > kept_score[worst]) {
+                  dropped = std::max(dropped, kept_score[worst]);
+                  kept[worst] = gi;
+                  kept_score[worst] = score;
+                } else {
+                  dropped = std::max(dropped, score);
+                }
+              }
+              groups_ok = d::approx_groups_certified(*std::min_element(kept_score.begin(), kept_score.end()),
+                                                     dropped, margins);
+              for (int gi : kept)
+                for (int e = 32 * gi; e < 32 * gi + 32; ++e) cand.push_back(e);
+            } else {
+              for (int e = 0; e < E; ++e) cand.push_back(e);
+            }
+            const auto by = [](const std::vector<float>& q) {
+              return [&q](int x, int y) { return q[x] > q[y] || (q[x] == q[y] && x < y); };
+            };
+            std::partial_sort(cand.begin(), cand.begin() + K + 1, cand.end(), by(qa));
+            const float u = qa[cand[K]];
+            std::vector<int> picks(cand.begin(), cand.begin() + K);
+            std::sort(picks.begin(), picks.end(), by(qe));
+            const bool ok = groups_ok && d::approx_picks_certified(qe[picks[K - 1]], u, margins);
+            bool same = true, same_approx = true;
+            for (int k = 0; k < K; ++k) {
+              same = same && picks[k] == ids[t * K + k];
+              same_approx = same_approx && cand[k] == ids[t * K + k];
+            }
+            if (ok) {
+              ++certified;
+              if (t % 3 == 1) ++certified_normal;
+              ASSERT_TRUE(same) << "certified row " << t << " differs: E " << E << " K " << K << " grouped "
+                                << grouped << " bias kind " << bias_kind;
+            } else if (t % 3 == 0) {
+              ++total_cluster_redo;
+              if (!same_approx) ++total_wrong_if_trusted;
+            }
+          }
+          SCOPED_TRACE("E " + std::to_string(E) + " K " + std::to_string(K) + " grouped " +
+                       std::to_string(grouped) + " bias kind " + std::to_string(bias_kind));
+          // N(0, 1) rows with small biases: nearly every one is certified (the kernel's redo stays rare).
+          if (bias_kind <= 1) EXPECT_GE(certified_normal, T / 3 - T / 30);
+          // Biases of +-1e30 tie their experts' q exactly, as do +inf ones: those rows are routed again.
+          if (bias_kind <= 2) EXPECT_GT(certified, 0);
+        }
+      }
+    }
+  }
+  // The clusters reach the fallback, and trusting the approximate order there would be wrong.
+  EXPECT_GT(total_cluster_redo, 100);
+  EXPECT_GT(total_wrong_if_trusted, 10);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -29,6 +30,7 @@
 #include "common/routing_names.h"
 #include "common/scoped_env.h"
 #include "common/test_data.h"
+#include "routing/sigmoid_approx_bound.h"
 #include "switchyard/switchyard.h"
 
 namespace {
@@ -81,6 +83,14 @@ enum class Kind {
   // bits (and in the bf16 ones), so that the K-th pick and the one after it are often +0 and -0: for
   // route_staged.cuh's raw keys, which rank NaN above +inf or below -inf and -0 below +0.
   kZeros,
+  // For the approximate selection of sigmoid + bias rows (route_staged.cuh's kApprox): N(0, 1) - 1 with
+  // a cluster of 1 + (row % 40) experts, in random places, at one level in [3, 4) plus 0-47 ulps, so
+  // that many sigmoids tie exactly and the rest lie within the approximation's error of each other; with
+  // make_bias's bias a few ulps apart (and on a third of the seeds 1000 on half the experts, so that q
+  // rounds to ulps of 2^-14 and the margin grows with the bias), the cluster's order and its K-th pick
+  // are decided by less than the approximate sigmoid's error: the picks must be put in exact order, or
+  // the row routed again.
+  kApproxCluster,
 };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -106,6 +116,8 @@ const char* kind_name(Kind k) {
       return "flat-top";
     case Kind::kZeros:
       return "zeros";
+    case Kind::kApproxCluster:
+      return "approx-cluster";
   }
   return "?";
 }
@@ -258,6 +270,23 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
       }
       return v;
     }
+    case Kind::kApproxCluster: {
+      std::vector<float> v = sy_test::random_normal(n, seed, 1.0f);
+      std::mt19937_64 g(seed ^ 0xbf58476d1ce4e5b9ull);
+      for (std::int64_t t = 0; t < T; ++t) {
+        float* row = v.data() + t * E;
+        for (int e = 0; e < E; ++e) row[e] -= 1.0f;
+        const float base = 3.0f + 0.125f * static_cast<float>(g() % 8);
+        std::uint32_t u;
+        std::memcpy(&u, &base, 4);
+        const int m = std::min(E, 1 + static_cast<int>(t % 40));
+        for (int j = 0; j < m; ++j) {
+          const std::uint32_t b = u + static_cast<std::uint32_t>(g() % 48);
+          std::memcpy(&row[g() % E], &b, 4);  // may land on an expert already set: fewer, still close
+        }
+      }
+      return v;
+    }
     case Kind::kSpecial:
       break;
   }
@@ -296,10 +325,11 @@ std::vector<float> make_values(Kind kind, std::int64_t T, int E, std::uint64_t s
 
 std::vector<float> make_bias(Kind kind, int E, std::uint64_t seed) {
   if (kind == Kind::kTied) return sy_test::random_tied(static_cast<std::size_t>(E), seed, 3);
-  if (kind == Kind::kNearTied) {  // a few ulps of the scores: the near ties survive the bias
-    std::mt19937_64 g(seed + 2);
+  if (kind == Kind::kNearTied || kind == Kind::kApproxCluster) {  // a few ulps of the scores: the near
+    std::mt19937_64 g(seed + 2);                                  // ties survive the bias
+    const float big = (kind == Kind::kApproxCluster && seed % 3 == 0) ? 1000.0f : 0.0f;
     std::vector<float> b(static_cast<std::size_t>(E));
-    for (float& x : b) x = std::ldexp(static_cast<float>(g() % 4), -22);
+    for (float& x : b) x = big * static_cast<float>(g() % 2) + std::ldexp(static_cast<float>(g() % 4), -22);
     return b;
   }
   std::vector<float> b = sy_test::random_normal(static_cast<std::size_t>(E), seed, 0.5f);
@@ -1290,6 +1320,79 @@ TEST(RoutingCuda, StagedRows) {
     ++i;
     check_case(c);
     if (HasFatalFailure()) return;
+  }
+}
+
+// route_warp.cuh's sigmoid_approx against sigmoid_fast (the oracle's bits) over every float with
+// |s| <= 86.5: the approximate selection's margins (common/approx_certify.h) assume at most
+// kSigmoidApproxErr (2^-21).
+TEST(RoutingCuda, ApproxSigmoidBound) {
+  SY_SKIP_WITHOUT_GPU();
+  float worst = -1.0f;
+  SY_CUDA_OK(sy_test::max_sigmoid_approx_error(&worst));
+  std::printf("largest |sigmoid_approx - sigmoid| over |s| <= 86.5: %.3g (2^%.2f)\n", worst,
+              std::log2(static_cast<double>(worst)));
+  EXPECT_GT(worst, 0.0f);  // the approximation differs somewhere (the kernel ran)
+  EXPECT_LE(worst, 0x1p-21f);
+}
+
+// Staged sigmoid + bias rows on the approximate selection (route_staged.cuh's kApprox,
+// SWITCHYARD_ROUTE_STAGED_APPROX=1): ids and weights are still the oracle's bits. Clusters decided by
+// less than the approximation's error (with biases a few ulps apart, or 1000 on half the experts), near
+// ties, values hidden in a bucket, special and wide rows (chunks on the exact sigmoid), with and
+// without groups of 32 experts (every group rule), fp32 and bf16 logits, E = 32-512, K = 1-8, T up to
+// 4099; then the sigmoid presets at 32768 rows.
+TEST(RoutingCuda, StagedApproxRows) {
+  SY_SKIP_WITHOUT_GPU();
+  const Kind kinds[] = {Kind::kNearTied,   Kind::kHiddenInBucket, Kind::kNormal,   Kind::kTied,
+                        Kind::kSpecial,    Kind::kLaneHeavy,      Kind::kNegative, Kind::kWide,
+                        Kind::kDryBuffers, Kind::kZeros};
+  constexpr int kNumKinds = sizeof(kinds) / sizeof(kinds[0]);
+  const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};
+  const ScopedEnv staged("SWITCHYARD_ROUTE_STAGED", "1");
+  const ScopedEnv approx("SWITCHYARD_ROUTE_STAGED_APPROX", "1");
+  int i = 0;
+  for (int E : {32, 64, 160, 256, 384, 512}) {
+    for (int K : {1, 2, 5, 8}) {
+      for (int rep = 0; rep < 6; ++rep) {
+        Case c;
+        c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+        if (rep == 5) c.config.post = (i % 2) ? PostFn::kSoftmax : PostFn::kNone;
+        const int n_group = E / 32;
+        if (rep % 2 == 0 && n_group >= 2) {
+          const GroupRule rules[] = {GroupRule::kTop2Sum, GroupRule::kMax, GroupRule::kTopKSum};
+          c.config.group_rule = rules[(i / 2) % 3];
+          c.config.n_group = n_group;
+          c.config.topk_group = 1 + (i / 6) % std::min(4, n_group - 1);
+          const int per_group = K / c.config.topk_group;
+          if (c.config.group_rule == GroupRule::kTopKSum && (per_group < 1 || per_group > 2))
+            c.config.group_rule = GroupRule::kTop2Sum;
+        }
+        c.bias = true;
+        c.T = ts[i % 6];
+        c.kind = rep < 3 ? Kind::kApproxCluster : kinds[i % kNumKinds];
+        if (c.kind == Kind::kHiddenInBucket && E < 128) c.kind = Kind::kNearTied;
+        c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+        c.extra_stride = (i % 5 == 3) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
+        c.base_offset = (i % 7 == 4) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
+        if (!check_aligned(c, i)) return;
+      }
+    }
+  }
+  for (const char* name : {"deepseek-v3", "kimi-k2", "glm-4.5"}) {
+    for (Kind kind : {Kind::kApproxCluster, Kind::kNormal}) {
+      ModelPreset m;
+      ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
+      Case c;
+      c.config = m.routing;
+      c.bias = m.has_bias;
+      c.T = 32768;
+      c.kind = kind;
+      c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+      ++i;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
   }
 }
 

@@ -47,12 +47,28 @@
 //      normalize rows: w = exp(s - m) / (sum of the picks' exp(s - m)) * scale in fp64, one rounding
 //      (the oracle's full softmax cancels out of its normalisation; its sum over all E experts would
 //      cost every expert an exact exp). Within 1e-6 relative of the oracle's weights, not their bits.
+//
+// Approximate selection (kApprox, sigmoid + bias rows; SWITCHYARD_ROUTE_STAGED_APPROX=1, off by default
+// until measured on the GPU). The exact sigmoid is most of such a row's per-expert work (~17 of ~49
+// instructions an expert, against 2 and a second MUFU for sigmoid_approx). The picks are selected on
+// q' = RN(sigmoid_approx(s) + b) (chunks with a |logit| > 86.5 or a NaN take the exact sigmoid), then
+// certified on exact scores, which the weights need anyway (common/approx_certify.h): the K picks'
+// exact q (recomputed from their logits, as every row does) must all lie above the top of the bucket
+// of the best key left out plus a margin of 4 x the approximation's bound, and with a group limit the
+// worst kept group's score must lie 16 x that bound above the best dropped one; the picks are then put
+// in exact (key desc, expert asc) order. A row that fails (keys within ~2^-15 relative of each other,
+// about as rare as the exact keys' bucket collisions it replaces) is routed again exactly by the whole
+// warp, as in step 4, so ids and weights keep the oracle's bits. Sessions 12 and 21 tried this in
+// route_warp (a warp a row), where certifying cost back half the saving and the rows that failed ran
+// late (bench/results/README.md, session 21); here the picks' exact scores are computed anyway and a
+// failed row takes the existing redo.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "common/approx_certify.h"
 #include "common/softmax_picks.h"
 #include "common/top8_network.h"
 #include "cuda/common/launch.cuh"
@@ -162,6 +178,12 @@ inline bool staged_fits(const RouteParams& p) {
 // or wherever they fit (any T and E); the default: as above.
 using StagedChoice = KnobChoice;
 inline StagedChoice staged_knob() { return choice_knob("SWITCHYARD_ROUTE_STAGED"); }
+// SWITCHYARD_ROUTE_STAGED_APPROX=1 (read once per call by route()): staged sigmoid + bias rows select on
+// approximate sigmoids and certify (kApprox); otherwise (the default, not yet measured on the GPU) on
+// exact ones.
+inline bool staged_approx_knob() {
+  return choice_knob("SWITCHYARD_ROUTE_STAGED_APPROX") == KnobChoice::kAlways;
+}
 // The rows from which route() takes the staged kernels for p by default (p fits; see above), or -1.
 inline std::int64_t staged_min_tokens(const RouteParams& p) {
   StagedRule rule;
@@ -196,6 +218,9 @@ __device__ __forceinline__ void prefetch_line_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
 }
 
+using ::switchyard::detail::approx_groups_certified;  // common/approx_certify.h
+using ::switchyard::detail::approx_margins;
+using ::switchyard::detail::approx_picks_certified;
 using ::switchyard::detail::merge8;  // common/top8_network.h
 using ::switchyard::detail::merge8_carry;
 using ::switchyard::detail::softmax_picks_doubtful;  // common/softmax_picks.h
@@ -207,8 +232,9 @@ using ::switchyard::detail::sort8;
 // T - 1 and write nothing) in the calling warp (all 32 lanes, converged). stages: the warp's
 // StagedLayout::kWarpBytes of shared memory (16-byte aligned); bias: the E bias values in shared
 // memory (kSigmoidBias). kGroups: groups of 32 experts (staged_fits; kSigmoidBias only); else no group
-// limit.
-template <DType kDtype, StagedRule kRule, bool kGroups>
+// limit. kApprox (kSigmoidBias only): select on approximate sigmoids and certify (see "Approximate
+// selection" above).
+template <DType kDtype, StagedRule kRule, bool kGroups, bool kApprox = false>
 __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int64_t first_row,
                                                   unsigned char* stages, const float* bias) {
   using namespace dev;
@@ -222,6 +248,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   const std::int64_t last = p.num_tokens - 1;
   const std::int64_t row = first_row + lane;
   const unsigned char* row_ptr = logits + (row < last ? row : last) * pitch;
+  static_assert(!kApprox || kRule == StagedRule::kSigmoidBias, "approximate selection: sigmoid + bias only");
 
   // The warp's copies of chunk c into stage s: lane l copies piece l % kPieces of rows
   // kRowsPerCopy * i + l / kPieces.
@@ -242,6 +269,20 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   while ((1 << bits) < E) ++bits;
   const std::uint32_t index_mask = (1u << bits) - 1u;
 
+  // kApprox: the certification's margins; with a group limit from the largest finite |bias|
+  // (common/approx_certify.h).
+  ::switchyard::detail::ApproxMargins margins = approx_margins(0.0f, kSigmoidApproxErr);
+  if constexpr (kApprox && kGroups) {
+    float b_max = 0.0f;
+    for (int i = lane; i < E; i += 32) {
+      const float b = fabsf(bias[i]);  // NaN: not below inf
+      b_max = b < __uint_as_float(0x7f800000u) ? fmaxf(b_max, b) : b_max;
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) b_max = fmaxf(b_max, __shfl_xor_sync(kFullMask, b_max, off));
+    margins = approx_margins(b_max, kSigmoidApproxErr);
+  }
+
   // Without a group limit: the row's running top 8 (0: empty), with kCarry their logits' bits (below),
   // and the largest key left out.
   std::uint32_t run[kStagedTopK];
@@ -252,6 +293,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   int gid[kStagedMaxGroups];
   std::uint32_t glist[kStagedMaxGroups][kStagedTopK];
   std::uint32_t gout[kStagedMaxGroups];
+  float gdrop = neg_inf();  // kApprox: the best score of a group not kept
 #pragma unroll
   for (int i = 0; i < kStagedTopK; ++i) run[i] = run_bits[i] = 0u;
   if constexpr (kGroups) {
@@ -338,7 +380,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
       if (mx <= 86.5f) {
 #pragma unroll
-        for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_fast(v[j]);
+        for (int j = 0; j < kStagedChunk; ++j) v[j] = kApprox ? sigmoid_approx(v[j]) : sigmoid_fast(v[j]);
       } else {
 #pragma unroll
         for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_pre(v[j]);
@@ -410,6 +452,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
       }
       const bool fill = c < p.topk_group;
       const unsigned take = (fill || score > worst) ? 1u << (fill ? c : w) : 0u;
+      if constexpr (kApprox) gdrop = fmaxf(gdrop, fill ? neg_inf() : (take ? worst : score));
 #pragma unroll
       for (int j = 0; j < kStagedMaxGroups; ++j) {
         const bool s = (take >> j) & 1u;
@@ -458,7 +501,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   const auto full_key = [&](std::uint32_t packed) {
     return (packed & 0xffff0000u) | ((packed & 0x80000000u) ? 0u : 0xffffu);
   };
-  bool redo = !kExactPacked && row <= last && ((kth ^ after) & ~index_mask) == 0;
+  bool redo = !kExactPacked && !kApprox && row <= last && ((kth ^ after) & ~index_mask) == 0;
   int e[kStagedTopK];
 #pragma unroll
   for (int k = 0; k < kStagedTopK; ++k) e[k] = static_cast<int>(index_mask - (run[k] & index_mask));
@@ -489,7 +532,9 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         pv[k] = s;
         fk[k] = canonical_key(s);
       }
-      if (k > 0 && k < K && fk[k] > fk[k - 1]) sorted = false;
+      // kApprox: equal exact keys may come from different approximate buckets, out of expert order.
+      if (k > 0 && k < K && (fk[k] > fk[k - 1] || (kApprox && fk[k] == fk[k - 1] && e[k] < e[k - 1])))
+        sorted = false;
     }
     if (!sorted) {
       // Odd-even transposition sort of the K picks by (key desc, expert asc), static indices: rare.
@@ -537,6 +582,24 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     redo = redo || (row <= last && doubt);
   }
 
+  if constexpr (kApprox) {
+    // The kept groups and the picks, certified on exact scores (common/approx_certify.h). The largest
+    // score of the bucket of the best key left out bounds every approximate score left out.
+    if constexpr (kGroups) {
+      float kept_min = gscore[0];
+#pragma unroll
+      for (int j = 1; j < kStagedMaxGroups; ++j)
+        kept_min = j < p.topk_group ? fminf(kept_min, gscore[j]) : kept_min;
+      redo = row <= last && !approx_groups_certified(kept_min, gdrop, margins);
+    }
+    load_picks();
+    std::uint32_t worst_pick = fk[0];  // exact keys, sorted: the K-th
+#pragma unroll
+    for (int k = 1; k < kStagedTopK; ++k) worst_pick = (kth_bit >> k) & 1u ? fk[k] : worst_pick;
+    redo = redo || (row <= last &&
+                    !approx_picks_certified(key_score(worst_pick), key_score(after | index_mask), margins));
+  }
+
   // Rows whose selection may not be exact are routed again, one at a time, by the whole warp
   // (route_warp on the stages' memory, which the chunks no longer need), and are done.
   for (unsigned m = __ballot_sync(kFullMask, redo); m != 0; m &= m - 1) {
@@ -559,7 +622,7 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     for (int k = 0; k < kStagedTopK; ++k) w[k] = static_cast<float>(static_cast<double>(t[k]) * f);
     store_thread_outputs<kStagedTopK>(p, row, K, w, e);
   } else {
-    load_picks();
+    if constexpr (!kApprox) load_picks();
     bool fin[kStagedTopK];
 #pragma unroll
     for (int k = 0; k < kStagedTopK; ++k) fin[k] = k < K && key_finite(fk[k]);

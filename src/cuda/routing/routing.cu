@@ -555,7 +555,7 @@ Status launch_route_rows_for(const RouteParams& p, cudaStream_t stream) {
 // logits without a pre function or bias, any post function; softmax -> normalize without a bias),
 // fp32 and bf16 logits; parameters of the rule fixed as in a Spec. 128-thread blocks, 4 per SM at most
 // 128 registers. With a bias the block first copies it into shared memory.
-template <DType kDtype, routing::StagedRule kRule, bool kGroups>
+template <DType kDtype, routing::StagedRule kRule, bool kGroups, bool kApprox>
 __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_kernel(const RouteParams p0) {
   using Layout = routing::StagedLayout<kDtype>;
   using routing::StagedRule;
@@ -582,14 +582,14 @@ __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_ke
   const int warp = static_cast<int>(threadIdx.x >> 5);
   const std::int64_t first_row = (static_cast<std::int64_t>(blockIdx.x) * routing::kStagedWarps + warp) * 32;
   if (first_row >= p.num_tokens) return;  // whole warp: no barrier follows
-  routing::route_staged_warp<kDtype, kRule, kGroups>(
+  routing::route_staged_warp<kDtype, kRule, kGroups, kApprox>(
       p, first_row, staged_smem + Layout::kBiasBytes + warp * Layout::kWarpBytes, bias);
 }
 
 // One staged kernel over `blocks` blocks; its shared memory passes the 48 KB default (an opt-in).
-template <DType kDtype, routing::StagedRule kRule, bool kGroups>
+template <DType kDtype, routing::StagedRule kRule, bool kGroups, bool kApprox = false>
 Status launch_staged_kernel(const RouteParams& p, std::int64_t blocks, cudaStream_t stream) {
-  constexpr auto kKernel = route_staged_kernel<kDtype, kRule, kGroups>;
+  constexpr auto kKernel = route_staged_kernel<kDtype, kRule, kGroups, kApprox>;
   constexpr std::size_t kSmem = routing::StagedLayout<kDtype>::kBlockBytes;
   const cudaError_t err = set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(kSmem);
   if (err != cudaSuccess) return cuda_status("route: staged kernel shared memory", err);
@@ -597,8 +597,9 @@ Status launch_staged_kernel(const RouteParams& p, std::int64_t blocks, cudaStrea
                        dim3(32 * routing::kStagedWarps), kSmem, stream, /*pdl=*/true, p);
 }
 
-// The staged kernel for p (routing::staged_fits).
-Status launch_route_staged(const RouteParams& p, cudaStream_t stream) {
+// The staged kernel for p (routing::staged_fits); approx: sigmoid + bias rows select on approximate
+// sigmoids (routing::staged_approx_knob).
+Status launch_route_staged(const RouteParams& p, bool approx, cudaStream_t stream) {
   using routing::StagedRule;
   const std::int64_t rows_per_block = 32 * routing::kStagedWarps;
   const std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
@@ -611,6 +612,10 @@ Status launch_route_staged(const RouteParams& p, cudaStream_t stream) {
     if (rule == StagedRule::kLogits) return launch_staged_kernel<kDtype, StagedRule::kLogits, false>(p, blocks, stream);
     if (rule == StagedRule::kSoftmaxPicks)
       return launch_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>(p, blocks, stream);
+    if (approx) {
+      return groups ? launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, true, true>(p, blocks, stream)
+                    : launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, false, true>(p, blocks, stream);
+    }
     return groups ? launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, true>(p, blocks, stream)
                   : launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, false>(p, blocks, stream);
   };
@@ -633,8 +638,9 @@ Status route(const detail::RouteArgs& args, Stream stream) {
   choice.narrow_packed = routing::narrow_packed_knob();
   choice.stream = routing::stream_knob();
   choice.staged = routing::staged_knob();
+  choice.staged_approx = routing::staged_approx_knob();
   if (routing::use_rows_kernel(p, choice.form)) return launch_route_rows_for(p, stream);
-  if (routing::use_staged(p, choice)) return launch_route_staged(p, stream);
+  if (routing::use_staged(p, choice)) return launch_route_staged(p, choice.staged_approx, stream);
   if (routing::use_stream(p, choice)) {
     Status status;
     if (launch_route_stream(p, stream, &status)) return status;

@@ -7,7 +7,8 @@
 # 0dc510f's tree read HEAD as 350cbbe), so `git rev-parse` there may name the wrong commit.
 # Steps: build, test (GPU + CPU ctest), python (pip install + pytest), pyfast (pytest on the
 # build step's extension, without a second compile of the kernels), cli (switchyard-bench after a
-# pip install), clifast (switchyard-bench on the build step's extension), bench, sanitize, demo.
+# pip install), clifast (switchyard-bench on the build step's extension), bench, approx_ab (the
+# staged approximate selection's same-call A/B), sanitize, demo.
 set -uo pipefail
 SRC="$(cd "${SRC:-.}" && pwd)"
 STEPS="${STEPS:-build,test,sanitize,bench}"
@@ -94,6 +95,27 @@ if has bench; then
     start=$(date +%s)
     timeout 300 "$B/bench/bench_$s" "$RES/bench_$s.json" >"$RES/bench_$s.md" 2>&1
     echo "bench_$s rc=$? $(( $(date +%s) - start )) s"
+  done
+fi
+
+# Same-call A/B of route_staged.cuh's approximate selection (SWITCHYARD_ROUTE_STAGED_APPROX = 0 / 1,
+# two rounds, interleaved) on the sigmoid + bias presets, with the default kernel choice and with the
+# staged kernels forced (SWITCHYARD_ROUTE_STAGED=1: every T, and Kimi-K2's E = 384).
+if has approx_ab; then
+  for r in 1 2; do
+    for k in 0 1; do
+      for form in default forced; do
+        staged=""; [ "$form" = forced ] && staged=1
+        SY_BENCH_TOKENS="${AB_TOKENS:-4096,16384,32768,65536}" SWITCHYARD_ROUTE_STAGED="$staged" \
+          SWITCHYARD_ROUTE_STAGED_APPROX=$k timeout 300 "$B/bench/bench_routing" "$RES/approx_ab_${form}_k${k}_r$r.json" \
+          "${AB_CONFIGS:-deepseek-v3,glm-4.5,kimi-k2}" >"$RES/approx_ab_${form}_k${k}_r$r.md" 2>&1
+      done
+    done
+  done
+  for form in default forced; do
+    python3 "$SRC/scripts/bench_ab.py" --a "$RES"/approx_ab_${form}_k0_r*.json --b "$RES"/approx_ab_${form}_k1_r*.json \
+      --title "staged approximate selection ($form kernels): exact (A) against approximate (B)" \
+      --md "$RES/approx_ab_$form.md" | tail -4
   done
 fi
 

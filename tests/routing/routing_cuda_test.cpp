@@ -1207,6 +1207,49 @@ TEST(RoutingCuda, StreamedNarrowRows) {
   }
 }
 
+// The input kinds of the staged kernels' tests.
+const Kind kStagedKinds[] = {Kind::kNearTied,   Kind::kHiddenInBucket, Kind::kNormal,   Kind::kTied,
+                             Kind::kSpecial,    Kind::kLaneHeavy,      Kind::kNegative, Kind::kWide,
+                             Kind::kDryBuffers, Kind::kZeros};
+constexpr int kNumStagedKinds = sizeof(kStagedKinds) / sizeof(kStagedKinds[0]);
+
+// The staged kernels' sigmoid + bias sweep (StagedRows, StagedApproxRows; the knobs set by the caller):
+// E = 32-512, K = 1-8, sometimes a softmax or no post function, every group rule with groups of 32
+// experts, fp32 / bf16 logits, strides and offsets, T = 1-4099; inputs kinds[i % n_kinds], or on half
+// the cases approx-cluster rows (approx_clusters). False after a fatal failure.
+bool staged_sigmoid_sweep(const Kind* kinds, int n_kinds, bool approx_clusters, int& i) {
+  const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};
+  for (int E : {32, 64, 160, 256, 384, 512}) {
+    for (int K : {1, 2, 5, 8}) {
+      for (int rep = 0; rep < 6; ++rep) {
+        Case c;
+        c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
+        if (rep % 3 == 1) c.config.post = (i % 2) ? PostFn::kSoftmax : PostFn::kNone;
+        const int n_group = E / 32;
+        if (rep % 2 == 0 && n_group >= 2) {
+          const GroupRule rules[] = {GroupRule::kTop2Sum, GroupRule::kMax, GroupRule::kTopKSum};
+          c.config.group_rule = rules[(i / 2) % 3];
+          c.config.n_group = n_group;
+          c.config.topk_group = 1 + (i / 6) % std::min(4, n_group - 1);
+          const int per_group = K / c.config.topk_group;
+          if (c.config.group_rule == GroupRule::kTopKSum && (per_group < 1 || per_group > 2))
+            c.config.group_rule = GroupRule::kTop2Sum;
+        }
+        c.bias = true;
+        c.T = ts[i % 6];
+        c.kind = approx_clusters && rep < 3 ? Kind::kApproxCluster : kinds[i % n_kinds];
+        // Hidden-in-bucket rows place values in the experts of 32 lanes of four (E >= 128).
+        if (c.kind == Kind::kHiddenInBucket && E < 128) c.kind = Kind::kNearTied;
+        c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
+        c.extra_stride = (i % 5 == 3) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
+        c.base_offset = (i % 7 == 4) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
+        if (!check_aligned(c, i)) return false;
+      }
+    }
+  }
+  return true;
+}
+
 // Staged rows (route_staged.cuh: one thread a row, E % 32 == 0 up to 512, K <= 8; sigmoid + fp32 bias
 // without a group limit or with groups of 32 experts, logits without a pre function, softmax ->
 // normalize) at every T under SWITCHYARD_ROUTE_STAGED=1: every input kind (near ties and
@@ -1217,42 +1260,13 @@ TEST(RoutingCuda, StreamedNarrowRows) {
 // kStagedMinTokens rows.
 TEST(RoutingCuda, StagedRows) {
   SY_SKIP_WITHOUT_GPU();
-  const Kind kinds[] = {Kind::kNearTied,   Kind::kHiddenInBucket, Kind::kNormal,   Kind::kTied,
-                        Kind::kSpecial,    Kind::kLaneHeavy,      Kind::kNegative, Kind::kWide,
-                        Kind::kDryBuffers, Kind::kZeros};
-  constexpr int kNumKinds = sizeof(kinds) / sizeof(kinds[0]);
+  const Kind* kinds = kStagedKinds;
+  constexpr int kNumKinds = kNumStagedKinds;
   const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};
   int i = 0;
   {
     const ScopedEnv knob("SWITCHYARD_ROUTE_STAGED", "1");
-    for (int E : {32, 64, 160, 256, 384, 512}) {
-      for (int K : {1, 2, 5, 8}) {
-        for (int rep = 0; rep < 6; ++rep) {
-          Case c;
-          c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
-          if (rep % 3 == 1) c.config.post = (i % 2) ? PostFn::kSoftmax : PostFn::kNone;
-          const int n_group = E / 32;
-          if (rep % 2 == 0 && n_group >= 2) {
-            const GroupRule rules[] = {GroupRule::kTop2Sum, GroupRule::kMax, GroupRule::kTopKSum};
-            c.config.group_rule = rules[(i / 2) % 3];
-            c.config.n_group = n_group;
-            c.config.topk_group = 1 + (i / 6) % std::min(4, n_group - 1);
-            const int per_group = K / c.config.topk_group;
-            if (c.config.group_rule == GroupRule::kTopKSum && (per_group < 1 || per_group > 2))
-              c.config.group_rule = GroupRule::kTop2Sum;
-          }
-          c.bias = true;
-          c.T = ts[i % 6];
-          c.kind = kinds[i % kNumKinds];
-          // Hidden-in-bucket rows place values in the experts of 32 lanes of four (E >= 128).
-          if (c.kind == Kind::kHiddenInBucket && E < 128) c.kind = Kind::kNearTied;
-          c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
-          c.extra_stride = (i % 5 == 3) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
-          c.base_offset = (i % 7 == 4) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
-          if (!check_aligned(c, i)) return;
-        }
-      }
-    }
+    if (!staged_sigmoid_sweep(kinds, kNumKinds, /*approx_clusters=*/false, i)) return;
     // The logits rules: no pre function (bits equal for every post function) and softmax -> normalize
     // (ids equal, weights within 1e-6 relative), no bias. Flat-top rows reach the softmax rows' p test.
     for (int E : {32, 64, 128, 160, 256, 512}) {
@@ -1344,41 +1358,10 @@ TEST(RoutingCuda, ApproxSigmoidBound) {
 // 4099; then the sigmoid presets at 32768 rows.
 TEST(RoutingCuda, StagedApproxRows) {
   SY_SKIP_WITHOUT_GPU();
-  const Kind kinds[] = {Kind::kNearTied,   Kind::kHiddenInBucket, Kind::kNormal,   Kind::kTied,
-                        Kind::kSpecial,    Kind::kLaneHeavy,      Kind::kNegative, Kind::kWide,
-                        Kind::kDryBuffers, Kind::kZeros};
-  constexpr int kNumKinds = sizeof(kinds) / sizeof(kinds[0]);
-  const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};
   const ScopedEnv staged("SWITCHYARD_ROUTE_STAGED", "1");
   const ScopedEnv approx("SWITCHYARD_ROUTE_STAGED_APPROX", "1");
   int i = 0;
-  for (int E : {32, 64, 160, 256, 384, 512}) {
-    for (int K : {1, 2, 5, 8}) {
-      for (int rep = 0; rep < 6; ++rep) {
-        Case c;
-        c.config = make_config(E, K, PreFn::kSigmoid, PostFn::kNormalize, 2.5f);
-        if (rep == 5) c.config.post = (i % 2) ? PostFn::kSoftmax : PostFn::kNone;
-        const int n_group = E / 32;
-        if (rep % 2 == 0 && n_group >= 2) {
-          const GroupRule rules[] = {GroupRule::kTop2Sum, GroupRule::kMax, GroupRule::kTopKSum};
-          c.config.group_rule = rules[(i / 2) % 3];
-          c.config.n_group = n_group;
-          c.config.topk_group = 1 + (i / 6) % std::min(4, n_group - 1);
-          const int per_group = K / c.config.topk_group;
-          if (c.config.group_rule == GroupRule::kTopKSum && (per_group < 1 || per_group > 2))
-            c.config.group_rule = GroupRule::kTop2Sum;
-        }
-        c.bias = true;
-        c.T = ts[i % 6];
-        c.kind = rep < 3 ? Kind::kApproxCluster : kinds[i % kNumKinds];
-        if (c.kind == Kind::kHiddenInBucket && E < 128) c.kind = Kind::kNearTied;
-        c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
-        c.extra_stride = (i % 5 == 3) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
-        c.base_offset = (i % 7 == 4) ? (c.logits_dtype == DType::kFloat32 ? 4 : 8) : 0;
-        if (!check_aligned(c, i)) return;
-      }
-    }
-  }
+  if (!staged_sigmoid_sweep(kStagedKinds, kNumStagedKinds, /*approx_clusters=*/true, i)) return;
   for (const char* name : {"deepseek-v3", "kimi-k2", "glm-4.5"}) {
     for (Kind kind : {Kind::kApproxCluster, Kind::kNormal}) {
       ModelPreset m;

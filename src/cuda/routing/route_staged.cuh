@@ -269,20 +269,6 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   while ((1 << bits) < E) ++bits;
   const std::uint32_t index_mask = (1u << bits) - 1u;
 
-  // kApprox: the certification's margins; with a group limit from the largest finite |bias|
-  // (common/approx_certify.h).
-  ::switchyard::detail::ApproxMargins margins = approx_margins(0.0f, kSigmoidApproxErr);
-  if constexpr (kApprox && kGroups) {
-    float b_max = 0.0f;
-    for (int i = lane; i < E; i += 32) {
-      const float b = fabsf(bias[i]);  // NaN: not below inf
-      b_max = b < __uint_as_float(0x7f800000u) ? fmaxf(b_max, b) : b_max;
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) b_max = fmaxf(b_max, __shfl_xor_sync(kFullMask, b_max, off));
-    margins = approx_margins(b_max, kSigmoidApproxErr);
-  }
-
   // Without a group limit: the row's running top 8 (0: empty), with kCarry their logits' bits (below),
   // and the largest key left out.
   std::uint32_t run[kStagedTopK];
@@ -386,13 +372,18 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_pre(v[j]);
       }
       const float* bc = bias + c * kStagedChunk;
+      // kApprox: the keys only select (certified after the loop), so canonical_key's q + 0 (-0 -> +0)
+      // is left out; q = RN(p + b) is never -0 here anyway (p >= +0 or non-finite).
+      const auto key_of = [](float q) {
+        return kApprox ? score_key_signed(fmaxf(q, neg_inf())) : canonical_key(q);
+      };
 #pragma unroll
       for (int m = 0; m < kStagedChunk / 4; ++m) {
         const float4 b = *reinterpret_cast<const float4*>(bc + 4 * m);
-        key[4 * m] = canonical_key(__fadd_rn(v[4 * m], b.x));
-        key[4 * m + 1] = canonical_key(__fadd_rn(v[4 * m + 1], b.y));
-        key[4 * m + 2] = canonical_key(__fadd_rn(v[4 * m + 2], b.z));
-        key[4 * m + 3] = canonical_key(__fadd_rn(v[4 * m + 3], b.w));
+        key[4 * m] = key_of(__fadd_rn(v[4 * m], b.x));
+        key[4 * m + 1] = key_of(__fadd_rn(v[4 * m + 1], b.y));
+        key[4 * m + 2] = key_of(__fadd_rn(v[4 * m + 2], b.z));
+        key[4 * m + 3] = key_of(__fadd_rn(v[4 * m + 3], b.w));
       }
     } else {
       // Softmax is monotone, so the logits order the experts as p does, except where two logits
@@ -532,9 +523,12 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
         pv[k] = s;
         fk[k] = canonical_key(s);
       }
-      // kApprox: equal exact keys may come from different approximate buckets, out of expert order.
-      if (k > 0 && k < K && (fk[k] > fk[k - 1] || (kApprox && fk[k] == fk[k - 1] && e[k] < e[k - 1])))
-        sorted = false;
+      if constexpr (kApprox) {
+        // Equal exact keys may come from different approximate buckets, out of expert order.
+        if (k > 0 && k < K && (fk[k] > fk[k - 1] || (fk[k] == fk[k - 1] && e[k] < e[k - 1]))) sorted = false;
+      } else {
+        if (k > 0 && k < K && fk[k] > fk[k - 1]) sorted = false;
+      }
     }
     if (!sorted) {
       // Odd-even transposition sort of the K picks by (key desc, expert asc), static indices: rare.
@@ -584,8 +578,18 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
 
   if constexpr (kApprox) {
     // The kept groups and the picks, certified on exact scores (common/approx_certify.h). The largest
-    // score of the bucket of the best key left out bounds every approximate score left out.
+    // score of the bucket of the best key left out bounds every approximate score left out. With a
+    // group limit the margin grows with the largest finite |bias|.
+    ::switchyard::detail::ApproxMargins margins = approx_margins(0.0f, kSigmoidApproxErr);
     if constexpr (kGroups) {
+      float b_max = 0.0f;
+      for (int i = lane; i < E; i += 32) {
+        const float b = fabsf(bias[i]);  // NaN: not below inf
+        b_max = b < __uint_as_float(0x7f800000u) ? fmaxf(b_max, b) : b_max;
+      }
+#pragma unroll
+      for (int off = 16; off >= 1; off /= 2) b_max = fmaxf(b_max, __shfl_xor_sync(kFullMask, b_max, off));
+      margins = approx_margins(b_max, kSigmoidApproxErr);
       float kept_min = gscore[0];
 #pragma unroll
       for (int j = 1; j < kStagedMaxGroups; ++j)

@@ -360,30 +360,47 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     stage = stage + 1 == L::kStages ? 0 : stage + 1;
     ahead = ahead + 1 == L::kStages ? 0 : ahead + 1;
     std::uint32_t key[kStagedChunk];
-    if constexpr (kRule == StagedRule::kSigmoidBias) {
+    if constexpr (kRule == StagedRule::kSigmoidBias && kApprox) {
+      // The approximate keys of the chunk where every |logit| is <= 86.5 (NaN fails the test): q is
+      // never NaN there (the kernel stored NaN biases as -inf, which ranks the same) nor -0 (the sigmoid
+      // is > 0), so the keys need neither canonical_key's max nor its + 0. Else the exact keys.
+      float mx = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
+      const float4* bc = reinterpret_cast<const float4*>(bias + c * kStagedChunk);
+      const auto keys = [&](auto key_of) {
+#pragma unroll
+        for (int m = 0; m < kStagedChunk / 4; ++m) {
+          const float4 b4 = bc[m];
+          const float b[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+          for (int t = 0; t < 4; ++t) key[4 * m + t] = key_of(v[4 * m + t], b[t]);
+        }
+      };
+      if (mx <= 86.5f) {
+        keys([](float s, float b) { return score_key_signed(__fadd_rn(sigmoid_approx(s), b)); });
+      } else {
+        keys([](float s, float b) { return canonical_key(__fadd_rn(sigmoid_pre(s), b)); });
+      }
+    } else if constexpr (kRule == StagedRule::kSigmoidBias) {
       float mx = 0.0f;
 #pragma unroll
       for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
       if (mx <= 86.5f) {
 #pragma unroll
-        for (int j = 0; j < kStagedChunk; ++j) v[j] = kApprox ? sigmoid_approx(v[j]) : sigmoid_fast(v[j]);
+        for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_fast(v[j]);
       } else {
 #pragma unroll
         for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_pre(v[j]);
       }
       const float* bc = bias + c * kStagedChunk;
-      // kApprox: the keys only select (certified after the loop), so canonical_key's q + 0 (-0 -> +0)
-      // is left out; q = RN(p + b) is never -0 here anyway (p >= +0 or non-finite).
-      const auto key_of = [](float q) {
-        return kApprox ? score_key_signed(fmaxf(q, neg_inf())) : canonical_key(q);
-      };
 #pragma unroll
       for (int m = 0; m < kStagedChunk / 4; ++m) {
         const float4 b = *reinterpret_cast<const float4*>(bc + 4 * m);
-        key[4 * m] = key_of(__fadd_rn(v[4 * m], b.x));
-        key[4 * m + 1] = key_of(__fadd_rn(v[4 * m + 1], b.y));
-        key[4 * m + 2] = key_of(__fadd_rn(v[4 * m + 2], b.z));
-        key[4 * m + 3] = key_of(__fadd_rn(v[4 * m + 3], b.w));
+        key[4 * m] = canonical_key(__fadd_rn(v[4 * m], b.x));
+        key[4 * m + 1] = canonical_key(__fadd_rn(v[4 * m + 1], b.y));
+        key[4 * m + 2] = canonical_key(__fadd_rn(v[4 * m + 2], b.z));
+        key[4 * m + 3] = canonical_key(__fadd_rn(v[4 * m + 3], b.w));
       }
     } else {
       // Softmax is monotone, so the logits order the experts as p does, except where two logits

@@ -571,8 +571,19 @@ __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_ke
     p.pre = PreFn::kSigmoid;
     p.bias_dtype = static_cast<int>(DType::kFloat32);
     p.bias_vec = 1;
-    for (int i = static_cast<int>(threadIdx.x); i < p.num_experts / 4; i += static_cast<int>(blockDim.x))
-      reinterpret_cast<float4*>(bias)[i] = __ldg(static_cast<const float4*>(p.bias) + i);
+    for (int i = static_cast<int>(threadIdx.x); i < p.num_experts / 4; i += static_cast<int>(blockDim.x)) {
+      float4 b = __ldg(static_cast<const float4*>(p.bias) + i);
+      if constexpr (kApprox) {
+        // NaN -> -inf: q = p + b is then NaN only where p is, and canonical q (NaN -> -inf) is unchanged
+        // (the approximate keys skip that step; route_staged.cuh).
+        const float ninf = __uint_as_float(0xff800000u);
+        b.x = b.x == b.x ? b.x : ninf;
+        b.y = b.y == b.y ? b.y : ninf;
+        b.z = b.z == b.z ? b.z : ninf;
+        b.w = b.w == b.w ? b.w : ninf;
+      }
+      reinterpret_cast<float4*>(bias)[i] = b;
+    }
     __syncthreads();
   } else {
     p.pre = kRule == StagedRule::kLogits ? PreFn::kNone : PreFn::kSoftmax;

@@ -81,7 +81,8 @@ enum class Kind {
   kFlatTop,
   // Rows of +0 and -0 with 0-9 positive values, a few -1, -inf and NaNs with payloads in their low
   // bits (and in the bf16 ones), so that the K-th pick and the one after it are often +0 and -0: for
-  // route_staged.cuh's raw keys, which rank NaN above +inf or below -inf and -0 below +0.
+  // route_staged.cuh's raw keys, which rank NaN above +inf or below -inf and -0 below +0. With a bias,
+  // some biases are NaN, -inf or +inf (route_staged.cuh's kApprox kernels store NaN ones as -inf).
   kZeros,
   // For the approximate selection of sigmoid + bias rows (route_staged.cuh's kApprox): N(0, 1) - 1 with
   // a cluster of 1 + (row % 40) experts, in random places, at one level in [3, 4) plus 0-47 ulps, so
@@ -337,6 +338,13 @@ std::vector<float> make_bias(Kind kind, int E, std::uint64_t seed) {
     std::mt19937_64 g(seed + 1);
     for (float& x : b)
       if (g() % 10 == 0) x = (g() % 2) ? -0.0f : 0.0f;
+  }
+  if (kind == Kind::kZeros) {  // non-finite biases (DESIGN 2.6): q = NaN ranks as -inf, so does a -inf mask
+    std::mt19937_64 g(seed + 3);
+    const std::uint32_t odd[] = {0x7fc00000u, 0xffc00001u, 0x7f800001u,
+                                 0xff800000u, 0xff800000u, 0x7f800000u};
+    for (float& x : b)
+      if (g() % 12 == 0) std::memcpy(&x, &odd[g() % 6], 4);
   }
   return b;
 }

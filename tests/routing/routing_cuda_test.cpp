@@ -561,6 +561,15 @@ bool check_varied(Case c, int& i) {
 
 // The same for sweeps of the specialised kernels: only the ids and weights dtypes vary with i, so
 // that the rows stay aligned and the bias fp32 (what routing.cu's Specs require).
+// c's routing rule and bias from the preset `name` (a fatal failure where there is none: the caller
+// returns on HasFatalFailure()).
+void use_preset(Case& c, const char* name) {
+  ModelPreset m;
+  ASSERT_TRUE(switchyard::find_preset(name, &m).ok()) << name;
+  c.config = m.routing;
+  c.bias = m.has_bias;
+}
+
 bool check_aligned(Case c, int& i) {
   c.ids_dtype = (i % 2) ? DType::kInt64 : DType::kInt32;
   c.weights_dtype = (i % 5 == 2) ? DType::kBFloat16 : DType::kFloat32;
@@ -598,12 +607,10 @@ TEST(RoutingCuda, PresetsLargeT) {
   const char* names[] = {"deepseek-v3", "qwen3-next-80b", "kimi-k2", "mixtral-8x7b", "deepseek-v2"};
   int i = 0;
   for (const char* name : names) {
-    ModelPreset m;
-    ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
     for (std::int64_t T : {4096, 16384, 65536}) {
       Case c;
-      c.config = m.routing;
-      c.bias = m.has_bias;
+      use_preset(c, name);
+      if (HasFatalFailure()) return;
       c.T = T;
       c.logits_dtype = (i % 3 == 1) ? DType::kBFloat16 : DType::kFloat32;
       c.kind = (T == 16384) ? Kind::kTied : Kind::kNormal;
@@ -1331,10 +1338,8 @@ TEST(RoutingCuda, StagedRows) {
       c.config = make_config(256, 8, PreFn::kSoftmax, PostFn::kNormalize, 1.0f);
       c.weight_tol = 1e-6f;
     } else {
-      ModelPreset m;
-      ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
-      c.config = m.routing;
-      c.bias = m.has_bias;
+      use_preset(c, name);
+      if (HasFatalFailure()) return;
     }
     c.T = 32768;
     c.kind = kinds[i % kNumKinds];
@@ -1372,11 +1377,9 @@ TEST(RoutingCuda, StagedApproxRows) {
   if (!staged_sigmoid_sweep(kStagedKinds, kNumStagedKinds, /*approx_clusters=*/true, i)) return;
   for (const char* name : {"deepseek-v3", "kimi-k2", "glm-4.5"}) {
     for (Kind kind : {Kind::kApproxCluster, Kind::kNormal}) {
-      ModelPreset m;
-      ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
       Case c;
-      c.config = m.routing;
-      c.bias = m.has_bias;
+      use_preset(c, name);
+      if (HasFatalFailure()) return;
       c.T = 32768;
       c.kind = kind;
       c.logits_dtype = (i % 2 == 1) ? DType::kBFloat16 : DType::kFloat32;
@@ -1392,11 +1395,9 @@ TEST(RoutingCuda, StagedApproxRows) {
 TEST(RoutingCuda, GraphReplayWithNewInputs) {
   SY_SKIP_WITHOUT_GPU();
   for (const char* name : {"deepseek-v3", "qwen3-next-80b", "mixtral-8x7b"}) {
-    ModelPreset m;
-    ASSERT_TRUE(switchyard::find_preset(name, &m).ok());
     Case c;
-    c.config = m.routing;
-    c.bias = m.has_bias;
+    use_preset(c, name);
+    if (HasFatalFailure()) return;
     c.T = 777;
     std::uint64_t seed = sy_test::fresh_seed();
     SCOPED_TRACE(std::string(name) + " first seed " + std::to_string(seed));
@@ -1434,11 +1435,9 @@ TEST(RoutingCuda, GraphReplayWithNewInputs) {
 // route again into the same outputs.
 TEST(RoutingCuda, BackToBackCallsOnOneStream) {
   SY_SKIP_WITHOUT_GPU();
-  ModelPreset m;
-  ASSERT_TRUE(switchyard::find_preset("kimi-k2", &m).ok());
   Case c;
-  c.config = m.routing;
-  c.bias = m.has_bias;
+  use_preset(c, "kimi-k2");
+  if (HasFatalFailure()) return;
   c.T = 4096;
   const std::uint64_t seed = sy_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

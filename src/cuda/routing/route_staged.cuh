@@ -360,47 +360,48 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
     stage = stage + 1 == L::kStages ? 0 : stage + 1;
     ahead = ahead + 1 == L::kStages ? 0 : ahead + 1;
     std::uint32_t key[kStagedChunk];
-    if constexpr (kRule == StagedRule::kSigmoidBias && kApprox) {
-      // The approximate keys of the chunk where every |logit| is <= 86.5 (NaN fails the test): q is
-      // never NaN there (the kernel stored NaN biases as -inf, which ranks the same) nor -0 (the sigmoid
-      // is > 0), so the keys need neither canonical_key's max nor its + 0. Else the exact keys.
+    if constexpr (kRule == StagedRule::kSigmoidBias) {
       float mx = 0.0f;
 #pragma unroll
       for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
-      const float4* bc = reinterpret_cast<const float4*>(bias + c * kStagedChunk);
-      const auto keys = [&](auto key_of) {
+      if constexpr (kApprox) {
+        // Where every |logit| is <= 86.5 (NaN fails the test) the approximate keys: q is never NaN there
+        // (the kernel stored NaN biases as -inf, which ranks the same) nor -0 (the sigmoid is > 0), so
+        // they need neither canonical_key's max nor its + 0. Else the exact keys.
+        const float4* bc = reinterpret_cast<const float4*>(bias + c * kStagedChunk);
+        const auto keys = [&](auto key_of) {  // key[j] = key_of(v[j], bias of expert 32c + j)
+#pragma unroll
+          for (int m = 0; m < kStagedChunk / 4; ++m) {
+            const float4 b4 = bc[m];
+            const float b[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+            for (int t = 0; t < 4; ++t) key[4 * m + t] = key_of(v[4 * m + t], b[t]);
+          }
+        };
+        if (mx <= 86.5f) {
+          keys([](float s, float b) { return score_key_signed(__fadd_rn(sigmoid_approx(s), b)); });
+        } else {
+          keys([](float s, float b) { return canonical_key(__fadd_rn(sigmoid_pre(s), b)); });
+        }
+      } else {
+        // Written out rather than through a key_of loop as above: that form changed the fp32 / bf16 kernels'
+        // SASS (fp32: 16 instructions fewer, unmeasured), and these are the default kernels.
+        if (mx <= 86.5f) {
+#pragma unroll
+          for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_fast(v[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_pre(v[j]);
+        }
+        const float* bc = bias + c * kStagedChunk;
 #pragma unroll
         for (int m = 0; m < kStagedChunk / 4; ++m) {
-          const float4 b4 = bc[m];
-          const float b[4] = {b4.x, b4.y, b4.z, b4.w};
-#pragma unroll
-          for (int t = 0; t < 4; ++t) key[4 * m + t] = key_of(v[4 * m + t], b[t]);
+          const float4 b = *reinterpret_cast<const float4*>(bc + 4 * m);
+          key[4 * m] = canonical_key(__fadd_rn(v[4 * m], b.x));
+          key[4 * m + 1] = canonical_key(__fadd_rn(v[4 * m + 1], b.y));
+          key[4 * m + 2] = canonical_key(__fadd_rn(v[4 * m + 2], b.z));
+          key[4 * m + 3] = canonical_key(__fadd_rn(v[4 * m + 3], b.w));
         }
-      };
-      if (mx <= 86.5f) {
-        keys([](float s, float b) { return score_key_signed(__fadd_rn(sigmoid_approx(s), b)); });
-      } else {
-        keys([](float s, float b) { return canonical_key(__fadd_rn(sigmoid_pre(s), b)); });
-      }
-    } else if constexpr (kRule == StagedRule::kSigmoidBias) {
-      float mx = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kStagedChunk; ++j) mx = max_nan(mx, fabsf(v[j]));
-      if (mx <= 86.5f) {
-#pragma unroll
-        for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_fast(v[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_pre(v[j]);
-      }
-      const float* bc = bias + c * kStagedChunk;
-#pragma unroll
-      for (int m = 0; m < kStagedChunk / 4; ++m) {
-        const float4 b = *reinterpret_cast<const float4*>(bc + 4 * m);
-        key[4 * m] = canonical_key(__fadd_rn(v[4 * m], b.x));
-        key[4 * m + 1] = canonical_key(__fadd_rn(v[4 * m + 1], b.y));
-        key[4 * m + 2] = canonical_key(__fadd_rn(v[4 * m + 2], b.z));
-        key[4 * m + 3] = canonical_key(__fadd_rn(v[4 * m + 3], b.w));
       }
     } else {
       // Softmax is monotone, so the logits order the experts as p does, except where two logits

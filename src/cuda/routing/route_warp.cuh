@@ -665,16 +665,13 @@ __device__ __forceinline__ float min_nan(float a, float b) {
 }
 using ::switchyard::detail::finite_abs;  // common/routing_math.h
 
-// Ordered key of a non-NaN score (see the file comment). q + 0 turns -0 into +0.
-__device__ __forceinline__ std::uint32_t score_key(float q) {
-  const std::uint32_t u = __float_as_uint(__fadd_rn(q, 0.0f));
-  return u ^ (static_cast<std::uint32_t>(static_cast<std::int32_t>(u) >> 31) | 0x80000000u);
-}
-// score_key for a q that is not -0 (or where -0 may rank below +0): without the q + 0.
+// Ordered key of a non-NaN score, -0 ranking just below +0 (see the file comment).
 __device__ __forceinline__ std::uint32_t score_key_signed(float q) {
   const std::uint32_t u = __float_as_uint(q);
   return u ^ (static_cast<std::uint32_t>(static_cast<std::int32_t>(u) >> 31) | 0x80000000u);
 }
+// The same with -0 == +0: q + 0 turns -0 into +0.
+__device__ __forceinline__ std::uint32_t score_key(float q) { return score_key_signed(__fadd_rn(q, 0.0f)); }
 // canonical_score (NaN -> -inf) and then the key. max.f32 returns the non-NaN operand.
 __device__ __forceinline__ std::uint32_t canonical_key(float q) { return score_key(fmaxf(q, neg_inf())); }
 __device__ __forceinline__ float key_score(std::uint32_t k) {

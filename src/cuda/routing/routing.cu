@@ -576,11 +576,8 @@ __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_ke
       if constexpr (kApprox) {
         // NaN -> -inf: q = p + b is then NaN only where p is, and canonical q (NaN -> -inf) is unchanged
         // (the approximate keys skip that step; route_staged.cuh).
-        const float ninf = __uint_as_float(0xff800000u);
-        b.x = b.x == b.x ? b.x : ninf;
-        b.y = b.y == b.y ? b.y : ninf;
-        b.z = b.z == b.z ? b.z : ninf;
-        b.w = b.w == b.w ? b.w : ninf;
+        const auto no_nan = [](float x) { return x == x ? x : __uint_as_float(0xff800000u); };
+        b = make_float4(no_nan(b.x), no_nan(b.y), no_nan(b.z), no_nan(b.w));
       }
       reinterpret_cast<float4*>(bias)[i] = b;
     }

@@ -1,5 +1,5 @@
 // Copy bandwidth by a plain vectorized copy kernel: cudaMemcpyAsync device-to-device reads
-// only ~2.8 TB/s on our H200, below what kernels reach (BENCHMARKING.md: 4.14 TB/s), so the
+// only ~2.8 TB/s on an H200, below what kernels reach (docs/benchmarking.md: 4.14 TB/s), so the
 // floors and "% of copy" figures use the better of the two.
 #include <cuda_runtime.h>
 

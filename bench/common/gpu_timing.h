@@ -1,4 +1,4 @@
-// GPU timing as ../shared/BENCHMARKING.md fixes it: capture `calls_per_graph` back-to-back
+// GPU timing as docs/benchmarking.md fixes it: capture `calls_per_graph` back-to-back
 // calls in one CUDA graph, replay it `replays` times with events around each replay, and
 // report the median (and spread) of replay time / calls_per_graph.
 #pragma once
@@ -102,7 +102,7 @@ double measure_kernel_copy_bandwidth();
 
 // Device-to-device copy bandwidth in bytes/s (bytes read + written): 1 GiB copies, after
 // warming the clocks up; the best median of three graph timings, and the better of
-// cudaMemcpyAsync and a copy kernel (BENCHMARKING.md measured 4.14 TB/s on our H200).
+// cudaMemcpyAsync and a copy kernel (docs/benchmarking.md measured 4.14 TB/s on an H200).
 inline double measure_copy_bandwidth() {
   const size_t bytes = size_t(1) << 30;
   void *a = nullptr, *b = nullptr;

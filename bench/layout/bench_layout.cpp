@@ -1,4 +1,4 @@
-// Benchmark of the layout stage (issue 4), timed as ../shared/BENCHMARKING.md fixes it: 20 calls
+// Benchmark of the layout stage (issue 4), timed as docs/benchmarking.md fixes it: 20 calls
 // captured in one CUDA graph, replayed 200 times, median per call.
 //   layout from ids: E=256 K=8 and E=512 K=10, tile 128, uniform ids (and one Zipf set);
 //   route + layout:  deepseek-v3 and qwen3-next-80b presets, tile 128.
@@ -25,7 +25,7 @@ using namespace switchyard;
 
 namespace {
 
-constexpr double kLaunchFloorUs = 1.17;  // tiny kernel in a graph, BENCHMARKING.md
+constexpr double kLaunchFloorUs = 1.17;  // tiny kernel in a graph, docs/benchmarking.md
 
 struct DevBuf {
   void* p = nullptr;
@@ -312,7 +312,7 @@ int main(int argc, char** argv) {
   sy_bench::JsonObject root;
   root.str("benchmark", "bench_layout").str("device", device).str("date", sy_bench::utc_now());
   root.str("commit", SY_GIT_COMMIT).num("copy_bandwidth_bytes_per_s", bandwidth);
-  root.str("method", "20 calls per CUDA graph, 200 replays, median per call (BENCHMARKING.md)");
+  root.str("method", "20 calls per CUDA graph, 200 replays, median per call (docs/benchmarking.md)");
   root.boolean("independent_blocks", g_independent_blocks);
   root.str("repro", "bench_layout " + out_path + (g_independent_blocks ? " --independent-blocks" : ""));
   root.raw("points", sy_bench::json_array(items));

@@ -1,4 +1,4 @@
-// Benchmark of gather and combine (issue 5), timed as ../shared/BENCHMARKING.md fixes it: 20
+// Benchmark of gather and combine (issue 5), timed as docs/benchmarking.md fixes it: 20
 // calls captured in one CUDA graph, replayed up to 200 times, median per call.
 //   gather (the API's row-order kernel) and the token-major gather: bf16 rows;
 //   weighted combine: bf16 y_perm, fp32 weights, bf16 out;

@@ -1,4 +1,4 @@
-// Routing benchmark (issue 3; method in ../shared/BENCHMARKING.md): every preset of
+// Routing benchmark (issue 3; method in docs/benchmarking.md): every preset of
 // switchyard::model_presets() plus the "softmax-e256-k8" configuration of the issue's E=256
 // target (softmax over E, top-8, renormalize: what vLLM's topk_softmax computes) and four at the
 // expert counts 576 and 896 that the issue names (see configs()), at
@@ -289,7 +289,7 @@ int main(int argc, char** argv) {
       .str("date", sy_bench::utc_now())
       .str("commit", SY_GIT_COMMIT)
       .num("copy_bandwidth_bytes_per_s", bandwidth)
-      .str("method", "20 calls per CUDA graph, 200 replays, median per call (../shared/BENCHMARKING.md)")
+      .str("method", "20 calls per CUDA graph, 200 replays, median per call (docs/benchmarking.md)")
       .str("repro", "bench_routing " + out_path + (filter.empty() ? "" : " " + filter))
       .raw("points", sy_bench::json_array(points));
   FILE* f = std::fopen(out_path.c_str(), "w");

@@ -1,5 +1,5 @@
 // Layout: topk_ids -> an expert-contiguous permutation with per-expert offsets and per-tile
-// metadata for grouped GEMMs. DESIGN.md section 3.
+// metadata for grouped GEMMs. docs/design.md section 3.
 #pragma once
 
 #include <cstddef>
@@ -46,7 +46,7 @@ struct LayoutConfig {
   // layout() below): the call then makes progress on however few SMs are free, beside kernels
   // on other streams that hold SMs until later work on this stream has run (expert-parallel
   // communication kernels, persistent kernels). Same output; slower from 4097 picks to a few
-  // hundred thousand (bench/results/README.md). The CPU backend ignores it.
+  // hundred thousand (docs/decisions/layout-independent-blocks.md). The CPU backend ignores it.
   bool independent_blocks = false;
 
   int num_local() const { return local.count < 0 ? num_experts : local.count; }

@@ -1,5 +1,5 @@
 // Gather and combine: move hidden states into the Layout and reduce expert outputs back per
-// token. DESIGN.md section 4.
+// token. docs/design.md section 4.
 #pragma once
 
 #include "switchyard/layout.h"

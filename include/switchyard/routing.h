@@ -1,4 +1,4 @@
-// Routing: logits [T,E] -> topk_ids [T,K], topk_weights [T,K]. DESIGN.md section 2.
+// Routing: logits [T,E] -> topk_ids [T,K], topk_weights [T,K]. docs/design.md section 2.
 #pragma once
 
 #include <string>
@@ -53,7 +53,7 @@ constexpr int kMaxGpuExperts = 4096;
 Status validate(const RoutingConfig& config);
 
 // A model's routing rule and its hidden size (for data-movement work). The table of
-// DESIGN.md section 2.
+// docs/design.md section 2.
 struct ModelPreset {
   std::string name;  // "deepseek-v3", "qwen3-next-80b", ...
   RoutingConfig routing;
@@ -61,7 +61,7 @@ struct ModelPreset {
   int hidden_size = 0;
 };
 
-// Every preset of DESIGN.md, in table order.
+// Every preset of docs/design.md, in table order.
 const std::vector<ModelPreset>& model_presets();
 // The preset named `name`; InvalidArgument listing the known names otherwise.
 Status find_preset(const std::string& name, ModelPreset* preset);

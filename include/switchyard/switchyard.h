@@ -1,5 +1,5 @@
 // Switchyard: routing, layout, gather and combine for Mixture-of-Experts token traffic.
-// Read DESIGN.md for the semantics; each header below is the contract of one stage.
+// Read docs/design.md for the semantics; each header below is the contract of one stage.
 #pragma once
 
 #include "switchyard/ep.h"

@@ -9,7 +9,7 @@
 
 The configuration part (presets, RoutingConfig, size queries) works without PyTorch; the
 operations on tensors and the torch custom ops (torch.ops.switchyard.*) need PyTorch and are
-registered when it is importable. Semantics: DESIGN.md; C++ contracts: include/switchyard/.
+registered when it is importable. Semantics: docs/design.md; C++ contracts: include/switchyard/.
 """
 
 # PyTorch first, when present: the extension's CUDA runtime dependency (libcudart.so.<major>)

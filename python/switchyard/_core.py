@@ -84,7 +84,7 @@ def _pick(table: Dict[str, Any], value: Any, name: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class RoutingConfig:
-    """A routing rule (DESIGN.md section 2; include/switchyard/routing.h).
+    """A routing rule (docs/design.md section 2; include/switchyard/routing.h).
 
     pre: "none" | "softmax" | "sigmoid" | "sqrtsoftplus"; post: "none" | "softmax" |
     "sigmoid" | "normalize"; group_rule: "none" | "top2_sum" | "max" | "topk_sum".
@@ -149,7 +149,7 @@ def _load_presets() -> Dict[str, ModelPreset]:
     return out
 
 
-#: Every model preset of DESIGN.md, by name, in table order: presets["deepseek-v3"].
+#: Every model preset of docs/design.md, by name, in table order: presets["deepseek-v3"].
 presets: Dict[str, ModelPreset] = _load_presets()
 
 

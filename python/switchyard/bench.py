@@ -6,7 +6,7 @@
     switchyard-bench --smoke                  # smallest setting (CI)
     python -m switchyard.bench ...            # the same
 
-Timing (../shared/BENCHMARKING.md): on a GPU, `--calls` (20) back-to-back calls are captured in
+Timing (docs/benchmarking.md): on a GPU, `--calls` (20) back-to-back calls are captured in
 one CUDA graph (torch.cuda.CUDAGraph), the graph is replayed up to `--replays` (200) times with
 CUDA events around each replay, and a point reports the median, p10 and p90 of replay time /
 calls. Inputs are fresh random data, rotated over several sets when they fit in L2. Each
@@ -799,7 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "GEMMs) next to their PyTorch-native equivalents. Without arguments: the headline table "
                     "(GPU) or a smaller CPU default.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--presets", help="comma-separated preset names (DESIGN.md), or 'all'")
+    ap.add_argument("--presets", help="comma-separated preset names (docs/design.md), or 'all'")
     ap.add_argument("--tokens", help="comma-separated token counts, e.g. 1,16,128,4096")
     ap.add_argument("--ops", help="comma-separated: " + ",".join(ALL_OPS) + " (or 'all')")
     ap.add_argument("--skews", default="uniform", help="comma-separated: " + ",".join(ALL_SKEWS))

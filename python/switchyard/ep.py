@@ -1,4 +1,4 @@
-"""Expert parallelism (DESIGN.md section 6; include/switchyard/ep.h): the CPU reference group.
+"""Expert parallelism (docs/design.md section 6; include/switchyard/ep.h): the CPU reference group.
 
 R ranks are R Python threads of one process. Each rank calls dispatch (and later combine) once
 per step with its own tensors; a call returns when the step is complete on every rank. Outputs
@@ -111,7 +111,7 @@ class CpuGroup:
         """Sends rank `rank`'s tokens x [T,H] (T <= max_tokens) once to each rank owning one of
         their experts (topk_ids [T,K] int32/int64 global ids, -1 for none; topk_weights [T,K]
         fp32; scales [T, scale_cols] fp32 for fp8 rows). With expert_major the received rows are
-        also laid out (DESIGN.md section 3) over this rank's experts and gathered into it. With
+        also laid out (docs/design.md section 3) over this rank's experts and gathered into it. With
         reuse=True and the handle of an earlier dispatch of the same routing, the routing is
         checked to be the same (a GPU transport then skips its count exchange)."""
         c = self._config

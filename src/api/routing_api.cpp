@@ -36,7 +36,7 @@ ModelPreset make_preset(const char* name, int experts, int k, PreFn pre, bool bi
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
-  // DESIGN.md section 2, table order. Hidden sizes from the same file; wide-2048 is synthetic.
+  // docs/design.md section 2, table order. Hidden sizes from the same file; wide-2048 is synthetic.
   static const std::vector<ModelPreset> presets = {
       make_preset("mixtral-8x7b", 8, 2, PreFn::kNone, false, 1, 1, GroupRule::kNone, PostFn::kSoftmax, 1.0f, 4096),
       make_preset("qwen3-235b-a22b", 128, 8, PreFn::kNone, false, 1, 1, GroupRule::kNone, PostFn::kSoftmax, 1.0f, 4096),

@@ -20,7 +20,7 @@ SY_HD bool finite_abs(float x) { return fabsf(x) < bits_float(0x7f800000u); }
 SY_HD bool is_nan(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
 SY_HD float neg_inf() { return bits_float(0xff800000u); }
 SY_HD float pos_inf() { return bits_float(0x7f800000u); }
-// NaN ranks with -inf (DESIGN 2.6): every selection score is canonicalized through this.
+// NaN ranks with -inf (docs/design.md 2.6): every selection score is canonicalized through this.
 SY_HD float canonical_score(float x) { return is_nan(x) ? neg_inf() : x; }
 
 // 2^n for n in [-126, 127], exact.
@@ -85,7 +85,7 @@ SY_HD float softplus_f32(float x) {
 }
 
 // Element-wise pre functions (softmax is a row operation: see below). A non-finite logit
-// keeps its value as its score, so that it ranks as DESIGN 2.6 says.
+// keeps its value as its score, so that it ranks as docs/design.md 2.6 says.
 SY_HD float pre_elementwise(PreFn pre, float s) {
   if (!is_finite(s)) return s;
   switch (pre) {

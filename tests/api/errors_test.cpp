@@ -1,4 +1,4 @@
-// Argument errors of the public API (DESIGN.md section 5): each bad input returns a non-ok
+// Argument errors of the public API (docs/design.md section 5): each bad input returns a non-ok
 // Status of the right code whose message names the bad argument, and nothing is written (every
 // output buffer is poisoned before the call and compared after it).
 #include <gtest/gtest.h>
@@ -668,7 +668,7 @@ TEST(ApiErrors, LayoutWorkspaceSize) {
   }
 }
 
-// DESIGN.md section 3: ids outside [0, E) are data, not argument errors. layout() succeeds,
+// docs/design.md section 3: ids outside [0, E) are data, not argument errors. layout() succeeds,
 // counts them in totals[kDropped] (all but -1) and places every other pick.
 template <typename Id>
 void check_out_of_range_ids_are_data() {

@@ -1,4 +1,4 @@
-// CPU layout against a brute-force reference written here from DESIGN.md section 3: every
+// CPU layout against a brute-force reference written here from docs/design.md section 3: every
 // expected array is rebuilt from the formulas (buckets filled in ascending x, padded offsets,
 // sentinels, tiles found through the owner of their first row), never through library helpers.
 #include <gtest/gtest.h>
@@ -196,7 +196,7 @@ LayoutInputs make_inputs(const LayoutCase& c, std::uint64_t seed) {
   return in;
 }
 
-// Everything a layout must produce, from the DESIGN.md formulas.
+// Everything a layout must produce, from the docs/design.md formulas.
 struct Expected {
   std::int64_t rows = 0;   // capacity R
   std::int64_t tiles = 0;  // capacity N

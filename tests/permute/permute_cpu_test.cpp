@@ -1,4 +1,4 @@
-// CPU gather and combine against references written here from DESIGN.md section 4 and
+// CPU gather and combine against references written here from docs/design.md section 4 and
 // permute.h: gather row by row from permuted_to_token, combine both as an fp64 sum (within a
 // stated tolerance) and as an in-test replica of the fmaf contract (bit for bit). The 16-bit
 // float conversions used by the references are written here too, independently of the library.

@@ -1,4 +1,4 @@
-// GPU tests of gather and combine (DESIGN.md section 4) against the CPU oracle.
+// GPU tests of gather and combine (docs/design.md section 4) against the CPU oracle.
 //
 // Each case builds a layout on the CPU, runs the operation on the CPU and on the GPU with the
 // same inputs, and compares every output byte:

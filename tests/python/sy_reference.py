@@ -1,4 +1,4 @@
-"""Plain PyTorch references written from DESIGN.md (sections 2-4), independent of Switchyard:
+"""Plain PyTorch references written from docs/design.md (sections 2-4), independent of Switchyard:
 softmax / sigmoid, stable sort for the top-K, stable sort for the layout, index_select for
 gather, a weighted sum for combine. Routing runs in float64 and reports, per row, how far the
 decision was from a tie, so tests compare ids exactly only where fp32 rounding cannot flip them.
@@ -89,7 +89,7 @@ class RefLayout:
 
 
 def layout(topk_ids, num_experts, tile_size, local_start=0, local_count=-1, local_stride=1, expert_map=None):
-    """The layout of DESIGN.md section 3, from a stable sort of the local expert index."""
+    """The layout of docs/design.md section 3, from a stable sort of the local expert index."""
     T, K = topk_ids.shape
     E, M = num_experts, tile_size
     L = num_experts if local_count < 0 else local_count

@@ -9,7 +9,7 @@ import pytest
 import switchyard as sy
 from switchyard import _ext
 
-# DESIGN.md section 2, routing part, and the hidden sizes listed under it.
+# docs/design.md section 2, routing part, and the hidden sizes listed under it.
 DESIGN_PRESETS = [
     # name, E, K, pre, has_bias, n_group, topk_group, rule, post, scale, hidden
     ("mixtral-8x7b", 8, 2, "none", False, 1, 1, "none", "softmax", 1.0, 4096),

@@ -1,5 +1,5 @@
 """switchyard.ep: the CPU reference group from Python (ranks as threads), checked against a
-brute-force reference of DESIGN.md section 6 written here."""
+brute-force reference of docs/design.md section 6 written here."""
 
 import pytest
 

@@ -1,5 +1,5 @@
 // switchyard::route on the CPU against a brute-force fp64 reference written in this file from the
-// formulas of DESIGN.md section 2 (std::exp, std::log1p, std::sqrt; nothing from routing_math.h).
+// formulas of docs/design.md section 2 (std::exp, std::log1p, std::sqrt; nothing from routing_math.h).
 //
 // The library computes in fp32 with its own exp, so on a near-tie it may legitimately pick
 // differently from the fp64 reference. Every row is therefore checked in layers:
@@ -191,7 +191,7 @@ struct Buffer {
 };
 
 // ---------------------------------------------------------------------------------------------
-// The fp64 reference (DESIGN.md section 2).
+// The fp64 reference (docs/design.md section 2).
 
 struct RefRow {
   std::vector<double> p, q, mag;  // q with NaN canonicalized to -inf; mag = |p| + |bias| (error scale)
@@ -548,7 +548,7 @@ std::string describe(const Spec& s) {
 
 constexpr int kNumPatterns = 10;
 
-// Replaces one row by a non-finite pattern (DESIGN 2.6).
+// Replaces one row by a non-finite pattern (docs/design.md 2.6).
 void apply_pattern(int pattern, float* row, int E, int K, std::mt19937_64& g) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
@@ -747,10 +747,10 @@ struct ExpectedPreset {
   GroupRule rule;
   PostFn post;
   float scale;
-  int hidden;  // 0: DESIGN.md lists no hidden size
+  int hidden;  // 0: docs/design.md lists no hidden size
 };
 
-// DESIGN.md section 2, copied by hand: the table and the hidden sizes below it.
+// docs/design.md section 2, copied by hand: the table and the hidden sizes below it.
 const ExpectedPreset kDesignTable[] = {
     {"mixtral-8x7b", 8, 2, PreFn::kNone, false, 0, 0, GroupRule::kNone, PostFn::kSoftmax, 1.0f, 4096},
     {"qwen3-235b-a22b", 128, 8, PreFn::kNone, false, 0, 0, GroupRule::kNone, PostFn::kSoftmax, 1.0f, 4096},
@@ -961,7 +961,7 @@ TEST(RoutingCpu, NonFiniteRowsRandom) {
   }
 }
 
-// Rows with hand-written expectations (DESIGN 2.6), on top of the generic reference check.
+// Rows with hand-written expectations (docs/design.md 2.6), on top of the generic reference check.
 TEST(RoutingCpu, NonFiniteRowsExplicit) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();

@@ -1,4 +1,4 @@
-// CUDA routing against the CPU oracle (DESIGN.md section 2, issue 3). Every case runs
+// CUDA routing against the CPU oracle (docs/design.md section 2, issue 3). Every case runs
 // switchyard::route on the GPU and on the CPU over the same input bits and demands:
 //   * topk_ids exactly equal (tie order included), every element written;
 //   * topk_weights bit-equal, fp32 and bf16 alike. The kernels reproduce the oracle's
@@ -339,7 +339,8 @@ std::vector<float> make_bias(Kind kind, int E, std::uint64_t seed) {
     for (float& x : b)
       if (g() % 10 == 0) x = (g() % 2) ? -0.0f : 0.0f;
   }
-  if (kind == Kind::kZeros) {  // non-finite biases (DESIGN 2.6): q = NaN ranks as -inf, so does a -inf mask
+  if (kind == Kind::kZeros) {  // non-finite biases (docs/design.md 2.6): q = NaN ranks as -inf,
+                               // so does a -inf mask
     std::mt19937_64 g(seed + 3);
     const std::uint32_t odd[] = {0x7fc00000u, 0xffc00001u, 0x7f800001u,
                                  0xff800000u, 0xff800000u, 0x7f800000u};
@@ -975,10 +976,9 @@ TEST(RoutingCuda, HiddenInBucket) {
 // Sigmoid + fp32 bias -> normalize (the Kimi / GLM / DeepSeek-V3 rule) past T = 256, on the
 // specialised kernels (aligned rows, fp32 bias), with near-tied rows (values a few ulps apart at
 // the K-th pick, see Kind::kNearTied), group limits on the lane path and, for E = 384, 576, 640 and
-// 896, the chunk path (past E = 512: route_warp on packed buffers, specialised since session 13;
-// without a group limit those rows take the wide kernels), and the usual kinds. (Written for a
-// verified-selection experiment that selected on an approximate sigmoid, session 12, rejected:
-// bench/results/README.md; it keeps the exact kernels' near ties covered.)
+// 896, the chunk path (past E = 512: route_warp on packed buffers, specialised; without a group
+// limit those rows take the wide kernels), and the usual kinds. It keeps the exact kernels' near
+// ties covered.
 TEST(RoutingCuda, SigmoidBiasNearTies) {
   SY_SKIP_WITHOUT_GPU();
   int i = 0;

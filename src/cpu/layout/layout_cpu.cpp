@@ -1,4 +1,4 @@
-// CPU layout (DESIGN.md section 3): a counting sort of the expanded picks x = t*K + k by local
+// CPU layout (docs/design.md section 3): a counting sort of the expanded picks x = t*K + k by local
 // expert, stable in x, so that the result is the sequential definition bit for bit however the
 // work is split over threads.
 #include <algorithm>

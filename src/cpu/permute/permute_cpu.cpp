@@ -1,4 +1,4 @@
-// CPU gather and combine (DESIGN.md section 4). combine's arithmetic is the contract the CUDA
+// CPU gather and combine (docs/design.md section 4). combine's arithmetic is the contract the CUDA
 // kernel replicates bit for bit: per output element, acc = fmaf(w, y, acc) over k in order
 // starting from 0.0f, then `acc + out` when accumulating, then one round to nearest even.
 #include <algorithm>

@@ -36,7 +36,7 @@ struct RowScratch {
   explicit RowScratch(int E, int n_group) : p(E), q(E), group_score(n_group), order(E), groups(n_group), allowed(E) {}
 };
 
-// p = pre(s) for one row (DESIGN 2.1), with the canonical softmax denominator.
+// p = pre(s) for one row (docs/design.md 2.1), with the canonical softmax denominator.
 void pre_scores(PreFn pre, const float* s, int E, float* p) {
   if (pre != PreFn::kSoftmax) {
     for (int e = 0; e < E; ++e) p[e] = detail::pre_elementwise(pre, s[e]);
@@ -57,7 +57,7 @@ void pre_scores(PreFn pre, const float* s, int E, float* p) {
   for (int e = 0; e < E; ++e) p[e] = is_finite(s[e]) ? detail::exp_f32(s[e] - m) / sum : s[e];
 }
 
-// Marks in `allowed` the experts of the best topk_group groups (DESIGN 2.3).
+// Marks in `allowed` the experts of the best topk_group groups (docs/design.md 2.3).
 void group_limit(const RoutingConfig& c, RowScratch& r) {
   const int E = c.num_experts;
   const int G = E / c.n_group;

@@ -79,9 +79,8 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr, unsigned long long 
 //     routing kernels pass keep_loaded their fields by name (routing.cu, route_params_xor).
 // p is the kernel's parameter, by value or __grid_constant__: it is read by memcpy, which makes no
 // local copy (constant-bank loads in the SASS). kWarmBlocks = 132 blocks, about one per SM of an
-// H200 (the cache is per SM; blocks placed later find it warm): measured on the routing kernels
-// (routing.cu), where warming in every block made T >= 16384 up to 12% slower and 132 blocks
-// 0.6-0.9% (session 25). Session 24 blamed a 16-byte static sink for that slowdown, wrongly.
+// H200 (the cache is per SM; blocks placed later find it warm): warming in every block made the
+// routing kernels up to 12% slower at T >= 16384 (docs/decisions/warm-params.md).
 inline constexpr unsigned kWarmBlocks = 132;
 
 template <class P>

@@ -1,4 +1,4 @@
-// CUDA layout (DESIGN.md section 3): launchers, workspace sizing and path selection. The kernels
+// CUDA layout (docs/design.md section 3): launchers, workspace sizing and path selection. The kernels
 // and the algorithm are described in layout_kernels.cuh.
 #include <cuda_runtime.h>
 
@@ -29,24 +29,10 @@ using layout_detail::LayoutParams;
 //   none fits or can be scheduled, one 16-block or 8-block cluster (every form: at most 8 groups
 //   of 32 picks per warp, cluster_fits);
 //   else (or L too large):  the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
-// Measured on the H200 (M=128, us, same call, session 15; 16-block cluster or chunked pipeline /
-// grid of 32 / 64 / 128 blocks):
-//   E=256 K=8:  N = 16384 5.23 / 5.56 / - / -;  N = 32768 6.52 / 5.94 / 6.10 / -;
-//               N = 65536 9.36 / 7.04 / 6.32 / 7.35;
-//               N = 131072 (chunked) 14.07 / 10.46 / 8.14 / 8.02;
-//               N = 262144 (chunked) 15.74 / - / 10.44 / 9.36;
-//               N = 524288 (chunked) 17.09 / - / - / 19.53;
-//   E=512 K=10: N = 20480 7.04 / 6.36 / - / -;  N = 40960 9.08 / 7.29 / 7.18 / -;
-//               N = 81920 (chunked) 13.95 / 8.97 / 8.12 / 9.04;
-//               N = 163840 (chunked) 16.37 / - / 9.60 / 10.31;
-//               N = 327680 (chunked) 21.29 / - / - / 19.28.
 // The cluster and grid forms cost more than the one-block form at small N (their barrier, the
-// exchange of counts): E=256 K=8 T = 1 / 256 one-block 2.17 / 3.38, 16-block cluster 3.92 / 4.54,
-// grid of 32 / 64 blocks 4.76 / 5.23 and 5.26 / 5.77 (an experiment build whose workspace held 128
-// rows at every N).
-// (Session 8: 8-block / 16-block cluster / chunked at N = 8192 6.09 / 5.89 / 9.60, N = 32768 10.84 /
-// 8.27 / 11.86. A 16-block cluster of 1024-thread blocks, half the picks per warp, spilled under
-// its 64-register cap and was slower.)
+// exchange of counts); past what one block holds, more blocks share the ranking and the row stores
+// (E=256 K=8 N = 65536: 16-block cluster 9.36 us, grid of 64 blocks 6.32;
+// docs/decisions/layout-path-selection.md).
 // SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|grid32|grid64|grid128|chunked (environment,
 // read per call) forces a path where it fits the call: a tuning and testing knob, not needed for
 // correct results. LayoutConfig::independent_blocks (per call) leaves only the one-block form and
@@ -60,9 +46,8 @@ constexpr int kGrid128MaxLocal = 256;
 // measured, E=512 on 128 blocks; past it the chunked pipeline's scan kernel does that work once).
 constexpr long long kGridMaxExchange = 65536;
 // One-block path: blocks split the writes, about this many rows (of the row capacity) each; each
-// one repeats the (short, parallel) ranking of all N <= 4096 picks, reading the ids from L2.
-// Measured on the H200 (E=256 K=8 M=128, T = 16 / 128 / 256): 3.31 / 4.15 / 5.14 us with 2048 rows
-// per block, 3.20 / 4.00 / 4.95 with 1024.
+// one repeats the (short, parallel) ranking of all N <= 4096 picks, reading the ids from L2
+// (1024 rows a block were faster than 2048 at every T measured; docs/decisions/layout-path-selection.md).
 constexpr long long kRowsPerOneBlock = 1024;
 constexpr long long kMaxOneBlocks = 132;
 constexpr long long kSmallMaxPicks = 4096;     // one kernel, every block sorts all picks
@@ -73,9 +58,8 @@ constexpr int kMediumThreads = 256;
 constexpr int kMediumItems = 2;
 constexpr int kMediumChunk = kMediumThreads * kMediumItems;  // 512
 // Past kMediumMaxPicks: chunks of 2048 picks while the chunk histograms (chunks x L entries, which
-// the scan kernel reads twice) stay within kFineMaxHistEntries, else chunks of 4096. Measured on
-// the H200 (us, chunks of 4096 / 2048): E=256 K=8 T = 65536 (256 x 256 entries with 2048)
-// 21.94 / 17.52, T = 262144 41.02 / 55.06; E=512 K=10 T = 65536 23.82 / 26.38.
+// the scan kernel reads twice) stay within kFineMaxHistEntries, else chunks of 4096
+// (E=256 K=8 T = 65536: 17.52 us with 2048 against 21.94 with 4096).
 constexpr int kLargeThreads = 512;
 constexpr int kLargeItems = 8;
 constexpr int kLargeChunk = kLargeThreads * kLargeItems;  // 4096
@@ -240,7 +224,8 @@ std::size_t cluster_smem_bytes(const LayoutParams& p, int blocks) {
 }
 
 // Calls f(std::bool_constant<B>{}) with B = (rank_words > 0): the kernels that rank by bitmaps, or
-// the ones without that code (its mere presence cost ~0.15 us per call on the H200).
+// the ones without that code (its mere presence cost ~0.15 us per call;
+// docs/decisions/layout-one-launch-kernel.md).
 template <typename F>
 Status with_bitmaps(const LayoutParams& p, F&& f) {
   if (p.rank_words > 0) return f(std::true_type{});
@@ -305,13 +290,9 @@ Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) 
 }
 
 // ITEMS = groups of 32 picks per warp: a block ranks N (one block) or N / CB (cluster) picks. An
-// exact ITEMS matters: the kernel's loops unroll ITEMS times behind warp-uniform guards, and
-// ITEMS = 2 instead of 4 for 513..1024 picks took E=256 K=8 T = 128 from 3.11 to 2.97 us on the
-// H200; ITEMS = 6 instead of 8 for 2049..3072 took E=512 K=10 T = 256 from 5.11 to 4.91 (session
-// 6). ITEMS = 3 for 1025..1536 was slower there (E=512 K=10 T = 128 3.91 against 3.80): not used.
-// (1024-thread blocks past 512 picks, half the groups per warp, measured slower on the H200 at
-// afc61dc: E=256 K=8 T = 128 / 256 4.45 / 5.34 us against 4.02 / 5.00; E=512 K=10 5.55 / 6.59
-// against 5.03 / 6.10.)
+// exact ITEMS matters: the kernel's loops unroll ITEMS times behind warp-uniform guards (ITEMS = 2
+// instead of 4 for 513..1024 picks took E=256 K=8 T = 128 from 3.11 to 2.97 us;
+// docs/decisions/layout-one-launch-kernel.md).
 template <typename Id>
 Status launch_one_block(const LayoutParams& p, cudaStream_t stream) {
   constexpr int kThreads = layout_detail::kOneThreads;
@@ -569,33 +550,10 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
                         Stream stream) {
   // A layout the backend cannot do fails before routing writes anything.
   if (layout_args.num_local > layout_detail::kMaxLocalExperts) return layout(layout_args, stream);
-  // The routing kernel, then the layout kernels, chained by programmatic dependent launch. One
-  // launch was tried five times and measured slower (or no faster) on the H200 (deepseek-v3,
-  // fp32 logits, us at T = 1 / 16 / 256, against these two launches at the time):
-  //  * every block routing all rows, then a lean layout (up to 6aaec95): 8.4 / 10.2 / - (7.0 / 7.4);
-  //  * one cluster of up to 16 blocks, each routing its own rows (a warp per row, route_warp with
-  //    the routing kernel's specialisations) and running the cluster form of
-  //    one_launch_layout_kernel.cuh on them (3eced95): 9.0 / 9.2 / 11.4 (6.1 / 6.7 / 9.1); at
-  //    small N the cluster form ran twice the one-block kernel's instructions (per-expert reads
-  //    of every block's counts through distributed shared memory, a per-expert padding pass);
-  //  * every block routing all T <= 16 rows, then a layout computed by one warp per block (a warp
-  //    shuffle scan over the experts instead of the block-wide phases, ffae7a4): 6.4 / 8.5 / -
-  //    (6.1 / 6.7); that one-warp layout alone took 3.9 / 5.1 us at T = 1 / 16 against the
-  //    one-block kernel's 3.2 / 3.2: a single warp's dependent chain of ~500-700 instructions
-  //    outlasts the block-wide phases;
-  //  * every block of the one-block layout's grid routing all T <= 16 rows (route_warp with the
-  //    routing kernel's specialisations), keeping the picks in shared memory and running the
-  //    one-block layout on them (5cb218b, session 6): T = 1 / 16 4.88 / 5.97 (4.90 / 5.50);
-  //    qwen3-next 4.72 / 6.22 (4.40 / 5.38). A clock64 timeline at T = 1: the fused kernel's
-  //    layout phase took as long as the layout kernel (~3700-3900 cycles), the slice fill sat in
-  //    front of the routing (~800), and at T = 16 one SM routes all 16 rows.
-  //  * the same with the idle warps filling the rows and tiles while the T routing warps work, on the
-  //    layout kernel of session 15 (85dc74b, session 16; branch exp/fused-route-layout-s16): T = 1 /
-  //    2 / 4 / 8 / 16 4.18 / 4.14 / 4.15 / 4.54 / 5.30 (4.03 / 4.27 / 4.26 / 4.41 / 4.53); qwen3-next
-  //    4.08 / 4.09 / 3.89 / 4.65 / 6.06 (4.28 / 4.30 / 4.10 / 4.66 / 5.50).
-  // Routing's own latency (4200-4600 cycles for deepseek-v3 at T = 1) and the layout's (3700-3900)
-  // stay on the critical path either way; the second launch itself is mostly hidden by PDL (the
-  // layout kernel is resident ~1.9 us before its wait releases).
+  // The routing kernel, then the layout kernels, chained by programmatic dependent launch. Five
+  // fused one-launch forms measured slower or no faster: routing's and the layout's own latencies
+  // stay on the critical path either way, and the second launch is mostly hidden by PDL
+  // (docs/decisions/route-layout-two-launches.md).
   SY_RETURN_IF_ERROR(route(route_args, stream));
   return layout(layout_args, stream);
 }

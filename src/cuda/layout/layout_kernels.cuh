@@ -1,4 +1,4 @@
-// Device code of the CUDA layout (DESIGN.md section 3): a stable counting sort of the expanded
+// Device code of the CUDA layout (docs/design.md section 3): a stable counting sort of the expanded
 // picks x = t*K + k by local expert, deterministic bit for bit (no atomic whose order reaches the
 // output: shared-memory atomics only build histograms, whose values do not depend on order).
 //

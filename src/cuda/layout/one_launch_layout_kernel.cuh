@@ -1,4 +1,4 @@
-// One-launch layout for small and medium N = T*K (DESIGN.md section 3): a stable counting sort
+// One-launch layout for small and medium N = T*K (docs/design.md section 3): a stable counting sort
 // with ranks from per-expert token bitmaps (blocks of more than 512 picks whose bitmaps fit) or
 // from per-warp ballots (match_key below; the other kernels, and the bitmaps' fallback), shaped so that the
 // critical path after pdl_wait() is short: ids -> ranks -> counts -> one scan -> writes, with no per-expert
@@ -32,23 +32,15 @@
 //    memory in expert order first (the block's picks of expert l fill one contiguous run of rows),
 //    so that the global stores of consecutive threads hit consecutive rows: written straight from
 //    the ranking, every pick was its own uncoalesced store, which made the cluster form slower
-//    than the 3-launch pipeline past ~12k picks. (The cluster is there for its barrier: the
-//    counts went through distributed shared memory up to session 13, which was slower.)
-//    The grid form (session 15) is the same kernel with CB = 32, 64 or 128 blocks in a
-//    cooperative launch, meeting at cooperative_groups' grid barrier instead of the cluster's:
-//    more SMs share the ranking and the row stores (E=256 K=8 T = 4096 / 8192 / 16384: 5.9 / 6.3 /
-//    7.8 us against 6.5 / 9.4 us for the 16-block cluster and 14.1 for the chunked pipeline).
+//    than the 3-launch pipeline past ~12k picks. (The cluster is there for its barrier: the counts
+//    meet in the workspace, not in distributed shared memory, which was slower.)
+//    The grid form is the same kernel with CB = 32, 64 or 128 blocks in a cooperative launch,
+//    meeting at cooperative_groups' grid barrier instead of the cluster's: more SMs share the
+//    ranking and the row stores (docs/decisions/layout-path-selection.md).
 //
-// Measured on the H200 (E=256 K=8 M=128, in a CUDA graph): one-block 2.2 / 2.2 / 2.7 / 3.4 us at
-// T = 1 / 16 / 128 / 256 (session 7; 3.2 / 3.2 / 4.0 / 5.0 in session 3), 16-block cluster 5.0 /
-// 6.5 / 8.9 us at T = 1024 / 4096 / 8192 (session 14; 5.6 / 7.5 / 9.9 in session 8). All are
-// latency/issue bound (ncu, session 3: IPC 1.2-1.7 with 16 warps per SM; then ~1000 instructions
-// per warp at T = 256, a third of them ballot ranking rounds, which the bitmaps replaced there).
-// A clock64 timeline of the cluster form at T = 4096 (per block, session 14, before the change to
-// the workspace exchange; ~13000 cycles in all): ids and keys ~1250, ranking ~700, per-expert pass
-// ~900, cluster barrier ~900, count exchange ~2000, scan ~1200, tiles ~650 (~1100 while the
-// second cluster barrier's release fence waited for their stores), row staging ~1550, row stores
-// ~1850, the rest ~1600.
+// All forms are latency / issue bound (E=256 K=8 M=128 on an H200: one-block 2.0 us at T = 1,
+// 16-block cluster 5.0 us at T = 1024); docs/decisions/layout-one-launch-kernel.md has the
+// measurements behind the choices below.
 //
 // Deterministic: the atomics add up the dropped count (a sum, order-free) and OR bits into the
 // bitmaps (order-free); ballot ranks come from ballots within 32 picks (match_key) and per-warp
@@ -205,10 +197,8 @@ __device__ __forceinline__ void warp_ballot_ranks(int* packed, int* my_hist, int
   unsigned same[ITEMS];
   // One-block form, N <= 512 (ITEMS = 1): the last warps own no picks (their groups all lie past
   // the chunk), and they skip the ranking instead of taking issue slots from the warps with picks
-  // for ballots over dummies. Measured on the H200 (E=256 K=8 M=128, us): T = 1 / 16 2.18 / 2.23
-  // against 2.36 / 2.40, deepseek-v3 route+layout 4.72 / 5.50 against 4.88 / 5.68. With ITEMS > 1
-  // the same warp-dependent branch cost more than it saved (E=512 K=10 T = 128 4.37 against 3.96),
-  // so it is compiled out there and in the cluster form.
+  // for ballots over dummies. With ITEMS > 1 the same warp-dependent branch cost more than it saved,
+  // so it is compiled out there and in the cluster form (docs/decisions/layout-one-launch-kernel.md).
   const bool has_picks = ITEMS > 1 || kCluster || group0 < groups;  // warp-uniform
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) same[j] = j < per_warp && has_picks ? match_key<KB>(packed[j] >> 16) : 0u;
@@ -279,9 +269,8 @@ struct PickInts {
 // one_launch_layout): returns the rank of each of the thread's picks among the block's picks of
 // its expert (0 for picks not placed) and writes block_counts[l] for the thread's experts. Called
 // by all kOneThreads threads, with the ranking region free. Not inlined, and its arguments and
-// result by value (no local memory), to keep the bitmap path short: with this code inlined the
-// bitmap kernels were ~0.15 us slower at every T on the H200, though the bitmap path ran the same
-// instructions (E=256 K=8 T = 1 / 256: 2.38 / 3.95 us, against 2.25 / 3.84 with it compiled out).
+// result by value (no local memory), to keep the bitmap path short: inlined, it made the bitmap
+// kernels ~0.15 us slower at every T though the bitmap path ran the same instructions.
 template <int ITEMS, int KB>
 __device__ __noinline__ PickInts<ITEMS> rank_by_ballots(const PickInts<ITEMS> keys, int* hist,
                                                         int* block_counts, int L, int per_warp, int groups) {
@@ -353,13 +342,9 @@ __device__ __forceinline__ void place_totals(const LayoutParams& p, const OneSha
 // expert (offs, ends, counts and offsets, tiles, as in step 3). Meanwhile the other kScanWarps
 // warps compute the per-expert prefixes that only the row writes need: word_base (bitmaps,
 // by_bits) or the per-warp prefixes of the ballots' hist (kBallots). The caller's next
-// __syncthreads orders both before the row writes. Against the block-wide form, whose scan waits
-// for the per-expert pass and then for cub::BlockScan's barrier, measured on the H200 (E=256 K=8
-// M=128, us, same call, session 27): T = 1 / 16 / 128 / 256 2.00 / 2.06 / 2.36 / 3.23 against 2.19 /
-// 2.23 / 2.65 / 3.35; deepseek-v3 route + layout T = 1 / 16 / 256 3.86 / 4.01 / 5.68 against 4.03 /
-// 4.19 / 5.92. (With a named barrier, bar.sync 1, 256, instead of the mbarrier, racecheck reported
-// hazards between the scan threads' stores and the row phase; with each scan warp loading every
-// count instead of any barrier, 4-5% slower than the block-wide form.)
+// __syncthreads orders both before the row writes. Faster than the block-wide form, whose scan
+// waits for the per-expert pass and then for cub::BlockScan's barrier (E=256 K=8 T = 128: 2.36 us
+// against 2.65; docs/decisions/layout-one-launch-kernel.md).
 template <bool kBallots>
 __device__ __forceinline__ void one_block_offsets(const LayoutParams& p, OneShared& sh, int block,
                                                   bool by_bits, const unsigned* bits, int* word_base, int W,
@@ -389,7 +374,7 @@ __device__ __forceinline__ void one_block_offsets(const LayoutParams& p, OneShar
   if (lane == 31) sh.scan_warp_totals[warp] = incl;
   // The scan threads meet at an mbarrier (arrive: release; the wait: acquire), not at a named
   // barrier (bar.sync 1, 256), which compute-sanitizer racecheck did not treat as ordering these
-  // stores before the row phase (session 27).
+  // stores before the row phase.
   const auto bar = static_cast<unsigned>(__cvta_generic_to_shared(&sh.scan_barrier));
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
   for (unsigned done = 0; done == 0;) {
@@ -450,7 +435,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   zero_words(dyn, kBits ? W * L : kOneWarps * L);  // bitmaps or hist (rank_by_ballots zeroes its own)
   // kSplit (the one-block form with L <= kScanThreads, the launcher's choice): the block's counts are
   // summed during the ranking (tally) and steps 2 and 3 run as one_block_offsets. A compile-time
-  // choice: code a kernel carries but does not run has cost ~0.15 us a call before (rank_by_ballots).
+  // choice: code a kernel carries but does not run costs ~0.15 us a call (rank_by_ballots).
   static_assert(!(kSplit && kCluster), "kSplit: the one-block form only");
   int* tally = kSplit ? block_counts : nullptr;
   if constexpr (kSplit) {
@@ -470,9 +455,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     c1 = min(N, c0 + chunk);
   }
   if (tid == 0) {
-    // The parameters into the constant cache (launch.cuh): measured on the H200 (same call, two
-    // runs; session 24), E=256 K=8 T = 1024 / 4096 / 16384 4.76 / 5.85 / 7.81 -> 4.70 / 5.80 / 7.71 us,
-    // E=512 K=10 T = 4096 7.07 -> 6.98; T <= 256 unchanged.
+    // The parameters into the constant cache (launch.cuh): 1-2% faster at 1024-16384 rows
+    // (docs/decisions/warm-params.md).
     warm_params(p, &sh.param_sink);
     // The ids this block ranks into L2 (launch.cuh's prefetch_l2).
     prefetch_l2(static_cast<const Id*>(p.topk_ids) + c0,
@@ -543,12 +527,10 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   //    rank in x order when no token has two picks of one expert. OR is order-free, so the bitmaps
   //    (and the ranks) do not depend on timing. A bit that was already set is such a duplicate (ids
   //    are data: nothing forbids them); a block that finds one ranks by ballots instead
-  //    (rank_by_ballots). Measured on the H200 (E=256 K=8 M=128, us, against ballots): one-block
-  //    T = 128 / 256 2.73 / 3.48 (3.00 / 4.24), E=512 K=10 3.22 / 3.98 (3.87 / 4.89); cluster form
-  //    T = 4096 / 8192 7.45 / 9.87 (8.12 / 11.35), E=512 K=10 T = 1024 / 4096 8.10 / 10.68 (8.43 /
-  //    11.13). At N <= 512 (ITEMS = 1) bitmaps were no faster: that kernel ranks by ballots, whose
-  //    code it inlines, as do the kernels the launcher picks where the bitmaps do not fit (a
-  //    bitmap kernel with the ballots out of line was 13-17% slower there, T = 128 / 256).
+  //    (rank_by_ballots). Faster than ballots wherever the bitmaps fit past 512 picks (E=256 K=8
+  //    T = 256: 3.48 us against 4.24; docs/decisions/layout-one-launch-kernel.md). At N <= 512
+  //    (ITEMS = 1) bitmaps were no faster: that kernel ranks by ballots, whose code it inlines, as
+  //    do the kernels the launcher picks where the bitmaps do not fit.
   //    Ballots: warp_ballot_ranks and warp_prefix.
   int* my_hist = hist + warp * L;
   PickInts<ITEMS> ballot_within{};  // bitmap kernels' ballot fallback
@@ -586,7 +568,6 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
   } else {
     // 2. Per expert (thread t owns experts [e_begin, e_end)): the block's count of l, and
     //    bitmaps: word_base[w][l] = the set bits of l's words before w; ballots: warp_prefix.
-    //    (Steps 2 and 3 by one warp instead were 1-1.5 us slower at T <= 256; session 27.)
     const int per_thread = (L + kOneThreads - 1) / kOneThreads;
     const int e_begin = min(L, tid * per_thread);
     const int e_end = min(L, e_begin + per_thread);
@@ -599,12 +580,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
       // The blocks' counts meet in the workspace (L2): block b stores its counts into
       // chunk_hist[b][0..L) and its dropped ids into chunk_dropped[b], the cluster (or grid)
       // barrier's release publishes them, and every block loads the CB rows (128-byte lines).
-      // Measured on the H200 (E=256 K=8 M=128 T = 1024 / 4096 / 8192, us): 4.96 / 6.52 / 8.88
-      // against 5.46 / 7.12 / 9.17 for the best exchange through distributed shared memory (int4
-      // loads of every block's counts, ~2000 cycles of the kernel's ~13000 at T = 4096 whatever the
-      // number of requests; a cluster barrier after them); E=512 K=10 T = 1024 / 4096 6.26 / 8.78
-      // against 7.36 / 9.71. Pushing the counts into every block by st.async (an mbarrier counting
-      // the bytes) or by one bulk copy per block pair was no faster than the loads (session 14).
+      // Faster than any exchange through distributed shared memory (E=256 K=8 T = 4096: 6.52 us
+      // against 7.12; docs/decisions/layout-path-selection.md).
       for (int l = e_begin; l < e_end; ++l) p.chunk_hist[block * L + l] = block_counts[l];
       if (tid == 0) p.chunk_dropped[block] = sh.dropped;
       if constexpr (CB > kMaxClusterBlocks) {
@@ -613,9 +590,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
         cg::this_cluster().sync();  // every block's counts are published
       }
       // The dropped total (block 0 writes totals[2]): the last warp's loads of the CB counts go out
-      // before the loads of the per-expert rows, so that both are in flight at once. (Loaded by
-      // thread 0 after its expert's rows, they made block 0, and so the kernel, end ~200 / ~600 ns
-      // after the other blocks with 32 / 64 blocks: a globaltimer timeline on the H200, session 15.)
+      // before the loads of the per-expert rows, so that both are in flight at once (loaded after
+      // them, block 0, and so the kernel, ended last).
       constexpr int kDroppedPerLane = (CB + 31) / 32;
       const bool dropped_warp = block == 0 && warp == kOneWarps - 1;  // warp-uniform
       int dropped_part[kDroppedPerLane];
@@ -756,8 +732,7 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
 
   if constexpr (kCluster) {
     // The tiles past num_tiles and (4c, below) the rows past padded_total, split evenly over the
-    // blocks: by the capacity's tile and row slices, the last blocks held them all (E=512 K=10
-    // T = 1024 / 4096 on the H200: 7.56 / 10.16 us against 8.12 / 10.71).
+    // blocks: by the capacity's tile and row slices, the last blocks held them all.
     int f0, f1;
     part_range(p.capacity_tiles - num_tiles, block, CB, f0, f1);
     for (int t = num_tiles + f0 + tid; t < num_tiles + f1; t += kOneThreads) {
@@ -767,8 +742,8 @@ __device__ __forceinline__ void one_launch_layout(const LayoutParams& p, OneShar
     // 4c. The rows that hold no pick, each written once (no row is written twice, so no block
     //     waits for another's stores): the padding rows [ends[l], offs[l + 1]) of the experts of
     //     this block's expert slice, a warp per expert; this block's part of the rows past
-    //     padded_total. (Giving expert l's padding to the block that holds its last pick
-    //     instead put nearly all of it on the last block: 10.9 us instead of 5.9 at N = 8192.)
+    //     padded_total. (Giving expert l's padding to the block that holds its last pick instead
+    //     put nearly all of it on the last block.)
     for (int l = l0 + warp; l < l1; l += kOneWarps) {  // warp-uniform
       for (int r = ends[l] + lane; r < offs[l + 1]; r += 32) {
         p.permuted_to_expanded[r] = pad_expanded;

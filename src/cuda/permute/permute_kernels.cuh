@@ -1,4 +1,4 @@
-// Gather and combine kernels (DESIGN.md section 4). Launchers live in permute.cu; these
+// Gather and combine kernels (docs/design.md section 4). Launchers live in permute.cu; these
 // kernels know raw pointers and sizes only.
 //
 // Both operations are pure data movement, so the design goal is "enough bytes in flight":
@@ -265,8 +265,7 @@ __global__ void __launch_bounds__(kBlockThreads) gather_rows_kernel(const Gather
 // One launch, two kinds of blocks (blockIdx.x < copy_blocks: copy, else fill), one work item
 // per warp and no grid-stride loop: the grid is as large as the work, so the block scheduler
 // balances it, and every warp's work is a short chain of dependent loads that the warps of
-// other blocks overlap. (A grid-stride design of few fat warps, ~100 registers, measured 25%
-// occupancy and 57% of copy bandwidth at H=2048 K=2 T=4096 on the H200.)
+// other blocks overlap (docs/decisions/permute-gather-combine.md).
 //   Copy items (token t, column chunk): the destinations are the rows
 //     r = expanded_to_permuted[t,k] with r < padded_total and permuted_to_token[r] == t (the
 //     check makes it exact even for an inconsistent layout). Dependent chain: {padded_total,
@@ -560,10 +559,8 @@ __global__ void __launch_bounds__(kBlockThreads, kCombineMinBlocksPerSm)
   const int lane = threadIdx.x % kWarpSize;
   Out* out = static_cast<Out*>(p.out);
   const std::int64_t H = p.row_vecs * kV;
-  // The parameters into the constant cache before the wait (launch.cuh). Measured on the H200
-  // (bench_permute, same call, three runs; session 25, bench/results ..._s25_permute_warm_ab.md):
-  // combine 4.6% faster at T = 1 (bf16 H = 7168 K = 8 2.19 -> 2.07 us), 3.6-4% at 16-128, 0.9% at
-  // 1024, unchanged from 4096 on. The gather kernels gained nothing (+-0.7%): not there.
+  // The parameters into the constant cache before the wait (launch.cuh): combine 4.6% faster at
+  // T = 1; the gather kernels gained nothing and do not (docs/decisions/warm-params.md).
   warm_params(p, /*never=*/p.num_tokens < 0);  // num_tokens >= 0
   pdl_wait();
   pdl_launch_dependents();

@@ -1,15 +1,14 @@
-// Thread-per-row routing (DESIGN.md section 2) for rows of up to kRowsMaxExperts experts with
+// Thread-per-row routing (docs/design.md section 2) for rows of up to kRowsMaxExperts experts with
 // K <= kRowsMaxTopK and no group limit: the large-T form of the smallest expert counts (Mixtral
 // E = 8, DBRX 16). Same contract and bits as route_warp (route_warp.cuh), whose
 // device arithmetic it calls.
 //
 // Why: route_warp serves such rows with narrow segments (W = 2-16 lanes a row), whose per-row
-// work is mostly segment bookkeeping: ncu at T = 65536 counted ~620 warp instructions per warp of
-// 8 DBRX rows (finish_row 127, the fast pass 90 plus its shuffles, loads and addressing 94), 49
-// registers, issue slots 49% busy. Here one thread holds a whole row in registers and does every
+// work is mostly segment bookkeeping (ncu at T = 65536: ~620 warp instructions per warp of 8 DBRX
+// rows, issue slots 49% busy). Here one thread holds a whole row in registers and does every
 // step alone: no shuffles, no segment reductions, and every warp instruction serves 32 rows.
 // The cost is latency: a row's chain is serial, so the launcher takes this form only from
-// kRowsMinTokens8 / 16 rows on (route_warp is faster below; see there for the measurements).
+// kRowsMinTokens8 / 16 rows on (route_warp is faster below; docs/decisions/routing-row-forms.md).
 //
 // A row, in one thread: the logits (vector loads where aligned; absent experts e >= E read -inf
 // for softmax, else 0, and get key 0, "not a candidate"), the pre function in route_warp's order
@@ -35,18 +34,9 @@ inline constexpr int kRowsMaxExperts = 16;
 inline constexpr int kRowsMaxTopK = 8;
 
 // Rows of up to 8 / 16 experts from which route_rows serves them (below: route_warp's whole-warp
-// or narrow forms). Measured on the H200 (us, same call, two runs, route_rows / the faster of
-// route_warp's forms; session 18, before the packed stores): mixtral-8x7b fp32 T = 1 / 128 / 4096 /
-// 16384 / 65536 1.34 / 1.38 / 1.50 / 1.62 / 2.65 against 1.32 / 1.48 / 1.84 / 2.05 / 3.86 (bf16
-// 65536 2.31 / 3.62); dbrx T = 4096 / 16384 / 32768 / 65536 3.18 / 3.74 / 4.64 / 6.18 against 2.35 /
-// 2.88 / 4.67 / 7.84. A row's chain is ~1100 instructions at E = 16, K = 4 (ncu at T = 65536: 35
-// warp instructions per row against ~150 on narrow segments, but 2048 warps, 0.3 waves, issue
-// slots 26% busy: latency-bound). At E = 32 / 64 (K = 8) route_rows was slower at every T (65536:
-// 23.5 / 49.1 against 16.7 / 30.8; at E = 64 175 registers and instruction-cache misses), so it
-// stops at 16.
-// With the specialised narrow kernels (routing.cu's kNarrowSpecs) dbrx fp32 took 3.85 / 5.97 us at
-// T = 32768 / 65536 on narrow segments against route_rows' 4.21 / 5.78 (bf16 3.44 / 5.81 against
-// 4.01 / 5.50), hence 65536 rows for 9-16 experts.
+// or narrow forms; mixtral-8x7b fp32 T = 65536: 2.65 us against 3.86). At E = 32 / 64 route_rows was
+// slower at every T, so it stops at 16; for 9-16 experts the specialised narrow kernels stay ahead up
+// to 32768 rows (docs/decisions/routing-row-forms.md).
 inline constexpr std::int64_t kRowsMinTokens8 = 128;
 inline constexpr std::int64_t kRowsMinTokens16 = 65536;
 

@@ -1,19 +1,18 @@
-// Staged rows: one thread per row at large T (DESIGN.md section 2) for three rule families
+// Staged rows: one thread per row at large T (docs/design.md section 2) for three rule families
 // (StagedRule): sigmoid + bias (DeepSeek-V3 with its groups of 32 experts, Kimi-K2, GLM-4.5), logits
 // without a pre function (Qwen3, gpt-oss, Llama 4), and softmax -> normalize. Same contract and bits as
 // route_warp (route_warp.cuh), whose device arithmetic it calls, except for the weights of
 // softmax -> normalize rows (step 5).
 //
 // Why: route_warp gives a row a whole warp. At T = 65536 it is bound by instruction issue, and
-// most of a row's ~830 warp instructions (deepseek-v3, ncu, session 16) serve only that row: the
+// most of a row's ~830 warp instructions (deepseek-v3, ncu) serve only that row: the
 // group limit, the K top-K rounds, the weights. Here every warp instruction serves 32 rows, and a
 // row's work is the per-expert arithmetic (for sigmoid: the oracle's exp and division, ~20
 // instructions; else none) and a sorting network (~10 per expert). Rows come through shared memory:
 // a warp stages 32 experts of its 32 rows at a time with cp.async (coalesced 128-byte row pieces, a
 // ring of kStages stages so that several chunks are in flight), and each lane reads its own row from
 // there (swizzled pieces: conflict-free 16-byte reads). A lane's loads straight from global memory
-// would touch 32 lines per instruction. (An earlier thread-per-row kernel staged 32 whole rows per
-// warp, which left 3-7 warps per SM; session 13.)
+// would touch 32 lines per instruction (docs/decisions/routing-staged-kernels.md).
 //
 // A row, in one thread, chunk by chunk (32 experts; E % 32 == 0):
 //   1. Selection keys (route_warp's ordered 32-bit keys): of q = canonical(sigmoid(logit) + bias)
@@ -35,8 +34,8 @@
 //      or the ninth when K = 8): then every non-pick's key is below every pick's. Otherwise (rare:
 //      keys within 2^-14 or so of each other) the whole warp routes the row again with route_warp,
 //      one such row after another (the rows' logits are still in L2). A lane that redid its row
-//      exactly from global memory would run a serial chain of E loads: at T = 65536 the slowest
-//      warps then set the call's time (100 us against 57 for deepseek-v3; session 30). The picks'
+//      exactly from global memory would run a serial chain of E loads, and the slowest warps would
+//      then set the call's time. The picks'
 //      p and full keys are recomputed from their logits (p is needed for the weights anyway), and
 //      picks of one bucket are put in key order. The picks' logits: fp32 rows without a group limit
 //      carry them with the running top 8 (each chunk's top 8 read from its stage by expert), bf16
@@ -58,10 +57,7 @@
 // worst kept group's score must lie 16 x that bound above the best dropped one; the picks are then put
 // in exact (key desc, expert asc) order. A row that fails (keys within ~2^-15 relative of each other,
 // about as rare as the exact keys' bucket collisions it replaces) is routed again exactly by the whole
-// warp, as in step 4, so ids and weights keep the oracle's bits. Sessions 12 and 21 tried this in
-// route_warp (a warp a row), where certifying cost back half the saving and the rows that failed ran
-// late (bench/results/README.md, session 21); here the picks' exact scores are computed anyway and a
-// failed row takes the existing redo.
+// warp, as in step 4, so ids and weights keep the oracle's bits (docs/decisions/routing-approx-sigmoid.md).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -84,22 +80,9 @@ inline constexpr int kStagedMaxGroups = 4;  // topk_group <= 4
 inline constexpr int kStagedWarps = 4;      // warps a block
 // The launcher takes the staged kernels for rows of up to kStagedAutoMaxExperts experts, from
 // kStagedMinTokens rows on (staged_min_tokens: from kStagedMinTokensBf16Logits for bf16 logits keyed
-// as they are, never for fp32 logits without a pre function and K < 8). Sigmoid + bias, measured on
-// the H200 (us, same call, two runs, route_warp against
-// staged; session 30, bench/results/h200_2026-12-03_s30_staged_ab.md): deepseek-v3 fp32 T = 16384 /
-// 32768 / 65536 16.9 / 30.5 / 57.3 against 21.7 / 28.7 / 46.5, bf16 16.6 / 30.6 / 58.3 against 20.9 /
-// 28.5 / 45.2; glm-4.5 (E = 160; from 32768 rows the streamed narrow segments on the other side)
-// fp32 14.3 / 22.2 / 36.3 against 15.2 / 19.3 / 31.8, bf16 14.8 / 23.3 / 38.2 against 15.1 / 19.4 /
-// 28.8; kimi-k2 (E = 384, route_warp without padding) fp32 18.1 /
-// 31.3 / 57.6 against 24.3 / 37.0 / 57.8, bf16 alike: not taken. Below 16384 rows a warp's serial
-// chain (~12k instructions a lane) is the call's time (~20 us at T = 4096). The logits rules (session
-// 31, bench/results/h200_2026-12-03_s31_staged_logits_ab.md, route_warp against staged, fp32 / bf16 at
-// T = 16384 / 32768 / 65536): qwen3-235b-a22b (K = 8) fp32 8.1 / 12.2 / 19.9 against 8.1 / 11.1 /
-// 18.8, bf16 7.5 / 13.2 / 23.2 against 5.5 / 7.7 / 13.4; gpt-oss-120b (K = 4) fp32 6.8 / 10.1 / 17.0
-// against 7.7 / 10.8 / 18.5, bf16 6.3 / 11.3 / 20.4 against 5.3 / 7.8 / 13.4; llama4-maverick (K = 1)
-// fp32 5.1 / 8.9 / 16.1 against 6.7 / 9.7 / 17.1, bf16 5.0 / 8.6 / 16.0 against 4.8 / 6.9 / 12.4;
-// softmax-e256-k8 fp32 12.3 / 22.0 / 41.5 against 12.3 / 18.1 / 33.0, bf16 12.7 / 22.7 / 42.8 against
-// 8.5 / 13.0 / 26.2.
+// as they are, never for fp32 logits without a pre function and K < 8). Below 16384 rows a warp's
+// serial chain (~12k instructions a lane) is the call's time (~20 us at T = 4096); deepseek-v3 fp32
+// T = 65536: 46.5 us staged against 57.3 (docs/decisions/routing-staged-kernels.md).
 inline constexpr std::int64_t kStagedMinTokens = 32768;
 inline constexpr std::int64_t kStagedMinTokensBf16Logits = 16384;
 inline constexpr int kStagedAutoMaxExperts = 256;
@@ -179,8 +162,7 @@ inline bool staged_fits(const RouteParams& p) {
 using StagedChoice = KnobChoice;
 inline StagedChoice staged_knob() { return choice_knob("SWITCHYARD_ROUTE_STAGED"); }
 // SWITCHYARD_ROUTE_STAGED_APPROX=1 (read once per call by route()): staged sigmoid + bias rows select on
-// approximate sigmoids and certify (kApprox); otherwise (the default, not yet measured on the GPU) on
-// exact ones.
+// approximate sigmoids and certify (kApprox); otherwise (the default) on exact ones.
 inline bool staged_approx_knob() {
   return choice_knob("SWITCHYARD_ROUTE_STAGED_APPROX") == KnobChoice::kAlways;
 }
@@ -298,19 +280,15 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
   constexpr bool kExactPacked = kDtype == DType::kBFloat16 && kRule != StagedRule::kSigmoidBias;
   // Where the picks' logits come from after the last chunk. kExactPacked: their keys (but -0). kCarry
   // (fp32 logits without a group limit): the running top 8 carries them (merge8_carry), each chunk's
-  // top 8 read from its stage by expert. A reload from global memory instead costs at T = 65536 (67 MB:
-  // the lines read first have left L2): softmax-e256-k8 29.3 against 30.9 us, qwen3-235b-a22b 16.5
-  // against 18.4 (session 33, bench/results/h200_2026-12-04_s33_carry_picks.md). Otherwise
-  // (kReloadPicks: bf16 sigmoid + bias rows, whose 33 MB stay in L2 - carrying cost glm-4.5 bf16 3% -
-  // and rows with a group limit, whose kept groups' lists would need 32 more registers) they are
-  // read again, their lines prefetched into L2 during the last chunk. (The prefetch cost bf16 logits
-  // keyed as they are 11-15% at T = 65536: session 32, bench/results/h200_2026-12-03_s32_staged_tail_ab.md.)
+  // top 8 read from its stage by expert: a reload from global memory costs at T = 65536, where the
+  // lines read first have left L2. Otherwise (kReloadPicks: bf16 sigmoid + bias rows, whose lines stay
+  // in L2, and rows with a group limit, whose kept groups' lists would need 32 more registers) they
+  // are read again, their lines prefetched into L2 during the last chunk (not for bf16 logits keyed
+  // as they are, where the prefetch cost). docs/decisions/routing-staged-kernels.md.
   constexpr bool kCarry = !kGroups && kDtype == DType::kFloat32;
   constexpr bool kReloadPicks = !kCarry && !kExactPacked;
 
-  // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty). (fp32 rows
-  // still wait on their copies for a quarter of the warp-stall samples, ncu, session 31; prefetching
-  // each row's piece two chunks past the newest copy into L2 made most points 1-13% slower.)
+  // Chunk c goes to stage c % kStages, as copy group c (groups without a chunk are empty).
 #pragma unroll
   for (int c = 0; c + 1 < L::kStages; ++c) {
     if (c < chunks) issue(c, c);
@@ -384,8 +362,8 @@ __device__ __forceinline__ void route_staged_warp(const RouteParams& p, std::int
           keys([](float s, float b) { return canonical_key(__fadd_rn(sigmoid_pre(s), b)); });
         }
       } else {
-        // Written out rather than through a key_of loop as above: that form changed the fp32 / bf16 kernels'
-        // SASS (fp32: 16 instructions fewer, unmeasured), and these are the default kernels.
+        // Written out rather than through a key_of loop as above: that form changed the fp32 / bf16
+        // kernels' SASS, and these are the default kernels.
         if (mx <= 86.5f) {
 #pragma unroll
           for (int j = 0; j < kStagedChunk; ++j) v[j] = sigmoid_fast(v[j]);

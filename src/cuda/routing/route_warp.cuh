@@ -1,4 +1,4 @@
-// The per-row routing routine of the CUDA backend (DESIGN.md section 2), as a __device__
+// The per-row routing routine of the CUDA backend (docs/design.md section 2), as a __device__
 // function that a fused kernel (route + layout) can call. It reproduces the CPU oracle
 // (src/cpu/routing/routing_cpu.cpp) bit for bit: ids (tie order included) and weights.
 //
@@ -127,10 +127,8 @@ enum GroupPath : int {
 };
 
 // Rows from which route_warp_wide puts keys other than those of bf16 / fp16 logits (without pre
-// function or bias) on packed buffers. Measured on the H200 (wide-2048 fp32, us, same call, packed
-// against plain buffers): T = 16 / 1024 / 4096 / 16384 / 65536 12.2 / 19.3 / 32.4 / 78.6 / 260
-// against 9.4 / 14.8 / 31.2 / 88.7 / 312 (session 12); sigmoid + bias at E = 576 / 896 the same way
-// (T = 4096 14.1 / 15.9 against 12.9 / 14.9, equal at 16384; session 13).
+// function or bias) on packed buffers: below it their checks lengthen the slowest row (wide-2048
+// fp32 T = 1024: 19.3 us packed against 14.8 plain; docs/decisions/routing-wide-rows.md).
 inline constexpr std::int64_t kWidePackedMinTokens = 16384;
 
 struct RouteParams {
@@ -258,29 +256,14 @@ struct RoutedPicks {
 // whole warp (W = 32; but 65-128 experts with 2 <= K <= 8 take narrow packed segments of 8 lanes from
 // kNarrowMinTokens128 rows on): each lane then holds only E / 32 values (8 for E = 256), so
 // the kernels need 40-64 registers and run at high occupancy, the segment reductions are single
-// redux.sync instructions, and a lone row's serial work is short. (Narrower segments for
-// 64 <= E <= 576 at large T held 24-36 values per lane: ncu showed 105 registers, 25% occupancy
-// and a latency-bound kernel at E = 256, T = 65536.) Past E = 512 a lane's values no longer fit
-// in registers at a useful occupancy: without a group limit those rows take route_warp_wide.
+// redux.sync instructions, and a lone row's serial work is short. Past E = 512 a lane's values no
+// longer fit in registers at a useful occupancy: without a group limit those rows take
+// route_warp_wide (docs/decisions/routing-row-forms.md).
 // Rows up to which whole-warp rows of 65-128 / 129-512 experts keep 3 candidates per lane instead
-// of 2.
-// With D = 2 about 3-8% of the rows of deepseek-v3, kimi-k2 or qwen3-next (random logits; model:
-// scripts/buffer_overflow_model.py) have a lane holding 3 of the K picks; those rows leave the fast pass for
-// the exact rounds (~2700 cycles more), and at small T the slowest row is the call's time: at T = 16 most
-// calls have one, at T = 128 nearly all. D = 3 makes such rows ~0.3%, but each insertion costs more, which
-// shows once the rows share the SMs. Measured on the H200 (us, same call, medians of 3 runs, D = 2
-// against 3 at every T; session 17): T = 16 / 128 deepseek-v3 fp32 2.55 / 2.97 against 2.21 /
-// 2.80, kimi-k2 2.52 / 3.16 against 2.28 / 3.03, softmax-e256-k8 2.00 / 2.48 against 1.78 / 1.86,
-// qwen3-next fp32 2.67 / 3.27 against 2.19 / 3.49, bf16 2.55 / 3.13 against 2.18 / 2.56; route +
-// layout qwen3-next T = 128 6.39 against 5.60, deepseek-v3 T = 16 4.74 against 4.24. From T = 256
-// on D = 3 was up to 9% slower (kimi-k2 fp32 T = 256 / 1024 / 65536 3.27 / 4.26 / 58.1 against
-// 3.54 / 4.54 / 60.9). With 4 values per lane (65-128 experts) D = 3 paid up to T = 4096 (us, same
-// call, 3 runs): qwen3-235b fp32 T = 128 / 1024 / 4096 / 16384 / 65536 2.03 / 2.30 / 3.28 / 8.00 /
-// 25.0 against 1.66 / 1.86 / 3.04 / 8.17 / 26.5 (2% of its rows overflow a buffer of 2), gpt-oss-120b
-// (K = 4) T = 1024 1.80 against 1.63, llama4-maverick (K = 1) within -2% / +3%. Rows with a softmax
-// pre function (a longer row before the selection) gained up to T = 4096 at 129-512 experts too:
-// softmax-e256-k8 fp32 T = 256 / 1024 / 4096 / 16384 2.54 / 2.86 / 5.07 / 12.39 against 2.00 / 2.39 /
-// 4.89 / 12.35, deepseek-v2 (E = 160, one run) 3.80 / 4.18 / 6.59 against 3.40 / 3.83 / 6.36.
+// of 2: with 2, 3-8% of the rows of deepseek-v3, kimi-k2 or qwen3-next (random logits; model:
+// scripts/buffer_overflow_model.py) have a lane holding 3 of the K picks and take the exact rounds,
+// and at small T the slowest row is the call's time; with more rows the deeper insert costs more
+// (docs/decisions/routing-candidate-buffers.md).
 inline constexpr std::int64_t kDeepBufferMaxTokens = 128;
 inline constexpr std::int64_t kDeepBufferMaxTokensSoftmax = 4096;
 inline constexpr std::int64_t kDeepBufferMaxTokens128 = 4096;
@@ -290,43 +273,21 @@ inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::ma
 // fits, route_rows (route_rows.cuh, one thread per row, from kRowsMinTokens8 / 16 rows). The whole
 // warp reduces with single redux.sync instructions where narrow segments need shuffle butterflies:
 // at small T, where one row's latency is the call's time, it is faster; with more rows the idle
-// lanes cost more. Measured on the H200 (us, same call, two runs; session 18). Against the generic
-// narrow kernel (whole warp / narrow): T = 1 mixtral-8x7b fp32 1.31 / 1.95, dbrx 1.69 / 2.09,
-// E = 32 K = 8 softmax 2.05 / 2.45, E = 64 2.12 / 2.70; T = 1024 1.57 / 1.83, 1.94 / 2.30, 2.37 /
-// 2.61, 2.45 / 2.84. Against the specialised narrow kernels (routing.cu's kNarrowSpecs): T = 256 /
-// 512 / 1024 / 2048 dbrx fp32 1.87 / 1.90 / 1.96 / 2.20 against 1.78 / 1.80 / 1.83 / 1.83, E = 32
-// 2.20 / 2.29 / 2.38 / 2.65 against 2.19 / 2.22 / 2.24 / 2.29, E = 64 2.30 / 2.38 / 2.47 / 2.72
-// against 2.48 / 2.50 / 2.53 / 2.68 (bf16 alike); at T = 1 / 16 / 128 dbrx fp32 1.70 / 1.78 / 1.85
-// against 1.67 / 1.65 / 1.76, E = 32 bf16 2.19 / 2.29 / 2.36 against 2.14 / 2.10 / 2.21 (fp32 equal),
-// E = 64 fp32 2.13 / 2.22 / 2.29 against 2.36 / 2.38 / 2.45. So rules with a narrow Spec skip the
-// whole warp for 9-32 experts (route_shape_index's narrow_spec; since session 19's narrow packed
-// buffers also for 33-64 experts where K fits them); the others keep these bounds: on
-// the generic narrow kernel dbrx's rule took 2.09-2.30 us at T = 1-2048, 0.1-0.4 us more than the
-// whole warp.
+// lanes cost more. Rules with a narrow Spec skip the whole warp for 9-32 experts (and 33-64 where K
+// fits the narrow packed buffers): route_shape_index's narrow_spec
+// (docs/decisions/routing-row-forms.md).
 inline constexpr std::int64_t kSmallWarpMaxTokens16 = 128;
 inline constexpr std::int64_t kSmallWarpMaxTokens32 = 256;
 inline constexpr std::int64_t kSmallWarpMaxTokens64 = 1024;
 // Rows of 33-64 experts up to which narrow segments hold one stripe (W = 16, 4 values per lane, 2
 // rows per warp); past it two (W = 8, 8 values per lane, 4 rows per warp: half the segment
-// reductions per row, which dominate the top-K rounds there, for a longer serial row). Measured on
-// the H200 (E = 64 K = 8 softmax, us, same call, two runs, one / two stripes; session 18): generic
-// kernels, fp32 T = 1 / 1024 / 4096 / 16384 / 65536 2.72 / 2.83 / 3.48 / 9.16 / 30.8 against 5.37 /
-// 3.82 / 4.38 / 7.92 / 22.9; specialised, T = 16384 / 32768 / 65536 7.78 / 13.80 / 25.5 against
-// 7.90 / 11.32 / 19.6. Two stripes were slower at every T at E = 32 (65536 13.6 / 19.6 specialised),
-// four (W = 2 or 4) slower still.
+// reductions per row, which dominate the top-K rounds there, for a longer serial row;
+// docs/decisions/routing-row-forms.md).
 inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 32767;
 // Rows of 65-128 experts with 2 <= K <= 8 from which narrow segments of 8 lanes (4 stripes, 16 values
 // a lane, 4 rows a warp) on packed buffers of depth 4 replace the whole warp: a quarter of the K
-// rounds and of the per-row work (weights, stores, addressing) per row, for a longer serial row.
-// Measured on the H200 (us, same call, two runs, whole warp / W = 8 / W = 16 with 2 stripes and
-// depth 3; session 19): qwen3-235b fp32 T = 8192 / 16384 / 32768 / 65536 4.89 / 7.91 / 13.5 / 25.0
-// against 5.72 / 9.64 / 12.4 / 20.1 and 5.67 / 8.05 / 13.1 / 23.3 (bf16 65536 24.0 / 21.5 / 23.3),
-// gpt-oss-120b (K = 4) 3.99 / 6.68 / 11.6 / 21.4 against 4.65 / 7.68 / 10.2 / 17.0 and 4.33 / 6.24 /
-// 10.8 / 19.3. So the whole warp stays up to 32767 rows and W = 16 is not used.
-// The same form for 129-256 experts (16 lanes, 4 stripes, 2 rows a warp, packed buffers of depth 4;
-// 55-68 registers), for the narrow Specs' rules from 32768 rows, was slower: softmax-e256-k8 T = 65536
-// fp32 45.0 against 41.5 us, bf16 54.9 against 42.7 (same call, three runs; session 29,
-// bench/results ..._s29_specs_ab.md). Not adopted.
+// rounds and of the per-row work (weights, stores, addressing) per row, for a longer serial row
+// (docs/decisions/routing-row-forms.md).
 inline constexpr std::int64_t kNarrowMinTokens128 = 32768;
 
 // Narrow segments take packed candidate buffers for K >= this (kNarrowPacked; as routing.cu's
@@ -344,9 +305,7 @@ struct ShapeEntry {
   bool packed_only = false;
 };
 // D = 4 = all 4 values of a lane up to E = 64: several of a row's picks in one lane are common
-// there, and a full buffer makes the top-K fast pass exact without the check. (With D = 2 the
-// fast pass made dbrx E=16 K=4 at T = 1 slower on the H200, 2.62 -> 3.16 us, mixtral 2.12 ->
-// 2.35: the exact rounds often ran after it.)
+// there, and a full buffer makes the top-K fast pass exact without the check.
 // D = 3 past 512 experts (5 or more values per lane and buffer).
 // clang-format off
 inline constexpr ShapeEntry kShapeTable[] = {
@@ -462,10 +421,7 @@ inline bool use_stream(const RouteParams& p, const RouteChoice& choice) {
 // the rule has specialised narrow kernels (routing.cu's narrow_spec_matches); rows of 9-32 experts
 // then skip the whole-warp entries (kSmallWarpMaxTokens16 / 32), and so do rows of 33-64 experts whose
 // K fits the narrow packed buffers of kSmallNarrowLanes64 lanes (kSmallWarpMaxTokens64; not with
-// SWITCHYARD_ROUTE_NARROW_PACKED=0). Measured on the H200 (E = 64 K = 8 softmax, us, same call, two
-// runs, whole warp / narrow packed; session 19): fp32 T = 1 / 16 / 128 / 256 / 512 / 1024 2.09 / 2.18 /
-// 2.24 / 2.24 / 2.33 / 2.40 against 1.87 / 1.85 / 1.92 / 1.94 / 1.96 / 2.00, bf16 2.15 / 2.26 / 2.32 /
-// 2.34 / 2.53 / 2.48 against 1.91 / 1.92 / 2.09 / 2.03-2.11 / 2.21 / 2.17-2.25. A forced form
+// SWITCHYARD_ROUTE_NARROW_PACKED=0; docs/decisions/routing-row-forms.md). A forced form
 // (small_row_form_knob) takes the first entry of that form whose T bound holds, else the first of that
 // form (among the entries of up to 64 experts when E <= 64); it ignores packed_only (a narrow shape
 // then falls back to plain buffers where K does not fit).
@@ -578,12 +534,12 @@ __host__ __device__ __forceinline__ bool bucket_exact_keys(const RouteParams& p)
 }
 
 // Whether route_warp_wide should run on packed candidate buffers for p (its kPackedTopK, chosen by
-// the launcher so that each kernel holds one of the two forms: a kernel holding both was up to 30%
-// slower below the threshold, session 13): bf16 / fp16 logits without pre function or bias at every
-// T (one key per bucket: no checks), other keys from kWidePackedMinTokens rows on (their checks
-// recompute keys, sort picks or redo rounds, which lengthens a row: that costs where the slowest
-// row is the call's time). SWITCHYARD_ROUTE_WIDE_PACKED=always (environment, read per call) puts
-// every T on them: a testing knob, not needed for correct results.
+// the launcher so that each kernel holds one of the two forms: a kernel holding both was slower):
+// bf16 / fp16 logits without pre function or bias at every T (one key per bucket: no checks), other
+// keys from kWidePackedMinTokens rows on (their checks recompute keys, sort picks or redo rounds,
+// which lengthens a row: that costs where the slowest row is the call's time).
+// SWITCHYARD_ROUTE_WIDE_PACKED=always (environment, read per call) puts every T on them: a testing
+// knob, not needed for correct results.
 inline bool wide_packed_buffers(const RouteParams& p) {
   const char* knob = std::getenv("SWITCHYARD_ROUTE_WIDE_PACKED");
   const bool always = knob != nullptr && std::strcmp(knob, "always") == 0;
@@ -728,9 +684,10 @@ __device__ __forceinline__ float sigmoid_fast(float s) { return rcp_normal(__fad
 
 // An approximate sigmoid for |s| <= 86.5 (MUFU ex2 and rcp: 2 ALU instructions and 2 MUFU against
 // sigmoid_fast's ~17 and 1), within kSigmoidApproxErr of sigmoid_fast's bits there: the largest
-// difference over every such float, measured on the H200 in session 21, was 1.79e-7 = 2^-22.42, and
-// the GPU test RoutingCuda.ApproxSigmoidBound checks the bound. Used only to select (route_staged.cuh's
-// kApprox rows, which certify their picks on exact scores), never for a weight.
+// difference over every such float, measured on the H200, was 1.79e-7 = 2^-22.42, and the GPU test
+// RoutingCuda.ApproxSigmoidBound checks the bound. Used only to select (route_staged.cuh's kApprox
+// rows, which certify their picks on exact scores), never for a weight
+// (docs/decisions/routing-approx-sigmoid.md).
 constexpr float kSigmoidApproxErr = 0x1p-21f;
 __device__ __forceinline__ float sigmoid_approx(float s) {
 #if defined(__CUDA_ARCH__)
@@ -1185,18 +1142,14 @@ __device__ __forceinline__ void group_limit_lanes(const RouteParams& p, std::uin
   }
   // The kept groups by rank (the number of groups ranking before a group: score desc, group asc)
   // instead of topk_group rounds of two warp reductions (a dependent chain of ~90 cycles per round
-  // at T = 1); one ballot of "rank < topk_group" over the lanes g < n_group is the mask. Measured
-  // on the H200 (deepseek-v3, fp32, us): T = 1 2.87 against 3.04-3.16, T = 128 3.9 against 4.0,
-  // T = 65536 67.5 against 68.4 (the broadcasts below).
+  // at T = 1); one ballot of "rank < topk_group" over the lanes g < n_group is the mask
+  // (docs/decisions/routing-group-limit.md).
   int better = 0;
   if constexpr (kPairRanks<Shape, kShift>) {
     // By pairs: lane l ranks group s = l % 2^shift (meaningful for s < n_group) against the S groups
     // whose scores it holds, i * (32 >> shift) + (l >> shift); the lanes of one s hold every group
     // between them (2^shift >= S * (32 >> shift) groups: DeepSeek-V3's 8 groups of 32 at E = 256),
-    // and xor shuffles add up their counts. S + 5 - shift shuffles instead of ~n_group + S (ncu,
-    // deepseek-v3 T = 65536: the group limit was ~230 of ~913 instructions per row; 827 per row
-    // with pairs. Measured on the H200, same call, fp32 T = 1 / 4096 / 65536: 2.05 / 6.50 / 57.8 us
-    // against 2.23 / 6.88 / 64.3 with the broadcasts; session 16).
+    // and xor shuffles add up their counts: S + 5 - shift shuffles instead of ~n_group + S.
     constexpr int kPerStripe = 32 >> kShift;
     const int s = sl & ((1 << kShift) - 1);
     const int src = (s % kPerStripe) << kShift;  // a lane of group s's chunks, stripe s / kPerStripe
@@ -1320,11 +1273,9 @@ template <class Shape>
 __device__ __forceinline__ std::uint32_t packed_key(std::uint32_t key, std::uint32_t lane_inv, int j) {
   return (key & ~kIndexMask<Shape>) | packed_index<Shape>(lane_inv, j);
 }
-// K = 1 takes the plain pass: one round saves less than the packed pass's checks cost (measured on
-// the H200, llama4-maverick E=128 K=1 fp32, T = 65536: 24.7 us packed rounds against 22.1 plain;
-// 26.75 on packed buffers against 22.03, so routing.cu's K = 1 kernels do not use those either).
-// (A threshold of K = 6 made gpt-oss-120b, K = 4 on its plain pass, 4-7% slower than before at
-// every T.)
+// K = 1 takes the plain pass: one round saves less than the packed pass's checks cost
+// (llama4-maverick fp32 T = 65536: 26.75 us on packed buffers against 22.03;
+// docs/decisions/routing-packed-keys.md).
 inline constexpr int kPackedMinK = 2;
 
 // Removes a packed buffer's head (the lane's pick of a round): the rest move up, the tail empties.
@@ -1370,36 +1321,17 @@ __device__ __forceinline__ void for_each_stripe_key(const Stripe& stripe, F&& f)
   }
 }
 // Packed retries of a row whose dry lane hides a bucket at or above the last pick's (select_top_k_packed),
-// for whole-warp rows of 2 or 4 stripes (3: below). Measured on the H200 (same call, fp32, us, against the
-// exact rounds alone; session 22, bench/results ..._s22_ab_packed_retry.md): deepseek-v3 T = 256 / 1024 /
-// 4096 3.15 / 3.72 / 6.43 -> 2.63 / 3.66 / 6.20, qwen3-next T = 256 / 4096 3.49 / 8.14 -> 2.94 / 7.33,
-// glm-4.5 T = 256 2.96 -> 2.62; T = 1 up to 4% slower, T = 65536 unchanged. In every whole-warp shape
-// (call 6 there), 3 stripes (kimi-k2's 32-register kernel) spilled (8 -> 24 bytes of stack) and were
-// 2-3% slower from T = 1024 on, and 1 stripe (qwen3-235b) 4-8% slower up to T = 1024: not compiled
-// there.
-// 3 stripes (kimi-k2) take one attempt, and only on buffers of 2 (from kDeepBufferMaxTokens rows on):
-// measured on the H200 (same call, three runs, kimi-k2, one attempt on every 3-stripe shape; session
-// 24, bench/results ..._s24_retry3_ab.md), fp32 T = 256 / 1024 / 4096 3.08 / 3.98 / 6.97 -> 2.68 / 3.73 /
-// 6.51 us (bf16 T = 256 3.23 -> 2.87), T = 16384 / 65536 18.19 / 57.85 (main in other calls: 18.25 /
-// 57.81), but T = 1 3% slower (2.08 -> 2.14), where the rows have buffers of 3 (so not there). One
-// attempt: with two, the 32-register kernel spilled (session 22); with one, one kernel of buffers of
-// 2 keeps 8 bytes of stack where it had none.
+// for whole-warp rows of 2 or 4 stripes; 3 stripes (kimi-k2) take one attempt, and only on buffers of 2
+// (a second attempt spilled the 32-register kernel); 1 stripe was slower with them
+// (docs/decisions/routing-packed-keys.md).
 template <class Shape>
 inline constexpr bool kPackedRetry = Shape::W == 32 &&
                                      (Shape::S == 2 || Shape::S == 4 || (Shape::S == 3 && Shape::D == 2));
 template <class Shape>
 inline constexpr int kPackedRetries = Shape::S == 3 ? 1 : 2;
 // Bucket rounds of a row whose only doubt is a collision in the last pick's bucket (select_top_k_packed):
-// whole-warp rows with their full keys at hand. Measured on the H200 (same call, fp32, us, against the
-// exact rounds; session 23, bench/results ..._s23_ab_bucket_rounds.md): kimi-k2 T = 128 / 1024 / 4096
-// 3.01 / 4.37 / 7.04 -> 2.52 / 4.03 / 6.80, qwen3-next T = 1024 / 4096 3.82 / 7.24 -> 3.27 / 6.36,
-// deepseek-v3 T = 1024 / 4096 3.53 / 6.30 -> 3.25 / 5.99, e896-softmax-k8 T = 1024 5.32 -> 4.50; but
-// T = 65536 up to 4% slower (qwen3-next 50.9 -> 52.8, e576-grouped-k8), T = 1 up to 3%, and
-// gpt-oss-120b (1 stripe) 4-5% at every T; the kernels gained registers (32-register kernels 8 more
-// bytes of stack). Geometric mean over the 288 points 0.991. Not for 1 stripe: without them (same
-// call, ..._s23_ab_bucket_rounds_stripes.md) gpt-oss-120b took 1.37 / 1.63 / 6.89 us at T = 1 / 1024 /
-// 16384 against 1.43 / 1.71 / 7.18; 5-8 stripes keep them (e896-softmax-k8 T = 1024 4.47 against 5.29
-// without, e576-grouped-k8 T = 256 5.00 against 5.56; T = 65536 3-4% slower with them).
+// whole-warp rows of 2 or more stripes with their full keys at hand; 1 stripe was slower with them
+// (docs/decisions/routing-packed-keys.md).
 template <class Shape>
 inline constexpr bool kBucketRounds = Shape::W == 32 && Shape::S >= 2;
 
@@ -1641,12 +1573,9 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 //   pick's bucket and might hide a key there that outranks the last pick (its head's key differs
 //   from the last pick's, or its next candidate, buffered or hidden, is in that bucket too). The
 //   exact rounds then redo only the last pick's bucket (and anything at or below a hidden bucket),
-//   after sort_picks (since session 22; before, route_warp restarted them from the first pick).
+//   after sort_picks, instead of restarting them from the first pick
+//   (docs/decisions/routing-packed-keys.md).
 //   (scripts/packed_topk_model.py fuzzes this, and checks the picks the exact rounds keep.)
-//   Measured on the H200 (same call, us, fp32; session 22): kimi-k2 / qwen3-next T = 128 3.19 / 3.33
-//   -> 2.83 / 2.84, wide-2048 T = 65536 259.8 -> 237.4, e576-grouped-k8 T = 128 5.94 -> 5.18; T = 1
-//   up to 5% slower (qwen3-next 1.86 -> 1.95), deepseek-v2 5% slower up to T = 1024; every point's
-//   geometric mean 0.999 (bench/results, ..._s22_ab_sort_repair.md).
 // - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
 //   the dry-lane test remains and a pick's key comes from its bucket.
 // full_key(e): the key of expert e of the row; refill as for select_top_k (full keys); stripe(i, keys):
@@ -1800,7 +1729,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
     // pick's bucket (bad, above), so the picks of the buckets above it stay too: every candidate
     // of such a bucket is a pick, and sorted they are the true first picks (only the last one or
     // two rounds are redone; restarted from the first pick, these rows were the slowest of a
-    // call: session 21's timeline). refill rebuilds the full-key buffers.
+    // call). refill rebuilds the full-key buffers.
     const std::uint32_t bound = collided ? max(hm_bucket, last_bucket) : hm_bucket;
     exact_rounds<Shape>(K, sl, lane4, bk, bb, next, pick_key, pick_e, bound | kIdx, refill);
   }
@@ -1966,8 +1895,7 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
   if constexpr (W < 32) {
     // A dummy row of a narrow segment (T smaller than a warp's rows) takes the distinct values -e / 4
     // instead (within the fast softmax path's range for e < 128): a row of equal values puts every key
-    // in one bucket, which sends the warp's packed top-K to its exact rounds (measured on the H200:
-    // dbrx T = 1 2.40 us against 1.68 on plain buffers, session 19).
+    // in one bucket, which sends the warp's packed top-K to its exact rounds.
     if (!row_ok) {
 #pragma unroll
       for (int j = 0; j < V; ++j) v[j] = -0.25f * static_cast<float>(value_base<Shape>(j) + lane4);
@@ -2147,15 +2075,11 @@ __device__ __forceinline__ void route_warp(const RouteParams& p, std::int64_t fi
 // needed and go straight into the candidate buffer. Softmax takes two extra passes over the row
 // first (its max, then its denominator), and the exact rounds of select_top_k recompute the keys
 // they rescan. The row is re-read from L1 / L2; the arithmetic per value is route_warp's general
-// path (the same operations in the same order: the same bits, i.e. the oracle's). Measured on the
-// H200, wide-2048 (E = 2048, K = 32, none -> softmax), us at T = 1 / 4096 / 65536, against
-// route_warp: fp32 6.07 / 31.7 / 314 (8.34 / 49.8 / 625), bf16 5.94 / 31.3 / 320 (9.70 / 66.7 /
-// 936). ncu at T = 65536: ~2900 warp instructions per row, issue-bound (SM throughput 87%); the
-// candidate-buffer insert of every value (~20 instructions) is the largest part. In the specialised
-// kernels (kPackedTopK) the buffers hold packed keys, as route_warp's do (five min / max per value):
-// bf16 / fp16 logits without pre function or bias (every bucket holds one key, no collision check)
-// at every T, other keys from kWidePackedMinTokens rows on. Session 12, us: wide-2048 bf16 4.54 /
-// 23.8 / 219, fp32 T = 16384 / 65536 79.4 / 261 (was 88.6 / 313).
+// path (the same operations in the same order: the same bits, i.e. the oracle's). In the
+// specialised kernels (kPackedTopK) the buffers hold packed keys, as route_warp's do (five min / max
+// per value): bf16 / fp16 logits without pre function or bias (every bucket holds one key, no
+// collision check) at every T, other keys from kWidePackedMinTokens rows on
+// (docs/decisions/routing-wide-rows.md).
 
 // Stripe i of a lane in a wide row: its logits (absent experts -inf) and, when the pass asked for
 // it and there is a bias, its bias.

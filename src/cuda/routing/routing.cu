@@ -1,4 +1,4 @@
-// CUDA routing (DESIGN.md section 2): one launch, rows spread over warps. The arithmetic and
+// CUDA routing (docs/design.md section 2): one launch, rows spread over warps. The arithmetic and
 // the per-row algorithm live in route_warp.cuh (shared with fused kernels); this file holds the
 // kernel and its launcher. Compiled with -fmad=false (see src/CMakeLists.txt).
 #include <cuda_runtime.h>
@@ -23,27 +23,15 @@ using routing::RouteParams;
 
 // The routing kernels' parameters into the constant cache before pdl_wait(), by thread 0 of the
 // first kWarmBlocks blocks (launch.cuh), their fields by name (route_params_xor) rather than through
-// warm_params' memcpy: with the memcpy, 94 of the 317 route kernels' bodies were scheduled
-// differently and 13 had other register counts (not measured; these are the tested ones). Measured
-// on the H200 against the same kernels without it (same call, 9 configurations, fp32 and bf16, three
-// runs; session 25, bench/results ..._s25_warm_route_ab.md): 4.3% faster at T = 1-128 (kimi-k2 fp32
-// T = 1 2.14 -> 2.00 us), 2.3% at 256, 1.6% at 1024, 0.4% at 4096; 0.6-0.9% slower at 16384-65536
-// (llama4-maverick T = 65536 22.3 -> 22.9, the lightest rows; my guess: every block now reads its
-// index before the wait, a serial S2R). Done in every block (session 24, and session 25 without a
-// shared sink) it cost 1-12% at T >= 16384.
+// warm_params' memcpy, which rescheduled many of the kernels' bodies. 4% faster at T <= 128; warming
+// in every block cost up to 12% at T >= 16384 (docs/decisions/warm-params.md).
 //
 // Grids of at most kPrefetchMaxBlocks blocks also prefetch their rows' logits and the bias into L2
 // before pdl_wait() (prefetch_route_inputs, launch.cuh's prefetch_l2): thread 0 of each block, its
 // block's rows. 4 blocks of 256 threads on each of the H200's 132 SMs: every block can be resident
-// at once and start while the previous kernel still runs. Measured on the H200 (same call against
-// the kernels without it, two runs of six configurations and one of all; session 28,
-// bench/results ..._s28_prefetch_ab.md): T = 4096 qwen3-next fp32 6.16 -> 5.26 us, softmax-e256-k8
-// 4.79 -> 4.05, deepseek-v3 5.99 -> 5.70; T <= 1024 mostly 1-4% faster (deepseek-v2 2-3% slower at
-// T = 128-1024, kimi-k2 fp32 T = 16 within its spread); mixtral T = 65536 2.59 -> 2.13 (the
-// one-thread-a-row kernel's grid is 256 blocks). Prefetching every resident block's rows at any T
-// (the first 1056 blocks) made T = 16384 7-8% slower (deepseek-v3 fp32 16.95 -> 18.3): the first
-// wave's prefetches then compete for HBM with the previous kernel's own loads, which are still
-// the critical path.
+// at once and start while the previous kernel still runs. Larger grids do not: the first wave's
+// prefetches would compete for HBM with the previous kernel's own loads, which are still the
+// critical path (docs/decisions/l2-prefetch-before-pdl-wait.md).
 constexpr unsigned kPrefetchMaxBlocks = 4 * kWarmBlocks;
 constexpr int kWarpsPerBlock = 8;                    // 256 threads: many rows in flight per SM
 constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute needed
@@ -58,11 +46,8 @@ constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute need
 // loads), group path (none / lanes), post. ids and weights dtypes, E, K, scale and the group
 // counts stay run-time.
 // kEarlyBias (route_warp) only up to kEarlyBiasMaxTokens rows: there the bias's L2 latency is on
-// the critical path; past it the registers it holds cost rows in flight. Measured on the H200
-// (us, early / late, same run): deepseek-v3 fp32 T = 1 2.69 / 2.89-2.96, T = 128 3.75 / 4.03;
-// kimi-k2 T = 1 2.57-2.63 / 2.74; glm-4.5 2.87 / 3.02-3.07; but with the early load for every T,
-// T = 4096 glm-4.5 fp32 7.71 / 6.50 and deepseek-v3 bf16 8.62 / 6.88 (37 registers instead of
-// 29-34 at E = 256).
+// the critical path; past it the registers it holds cost rows in flight
+// (docs/decisions/routing-specialised-kernels.md).
 struct SpecGeneric {};
 // A Spec's group limit: none, the lane path, or the chunk path without lanes (route_warp.cuh).
 enum SpecGroup : int { kSpecGroupNone = 0, kSpecGroupLanes = 1, kSpecGroupChunks = 2 };
@@ -123,9 +108,7 @@ struct SpecTraits<SpecGeneric> {
 // Wide rows (route_warp_wide): packed candidate buffers (up to E = 2048; plain ones past it) in the
 // specialised kernels; the checks recompute the keys of the few experts they ask about (except for
 // bf16 logits without pre function or bias, and only from route_warp_wide's kWidePackedMinTokens
-// rows on for other keys). Measured on the H200 (wide-2048, us, same call): bf16 packed rounds
-// T = 4096 / 65536 29.4 / 299 against 31.4 / 319 (session 10); packed buffers bf16 23.8 / 219
-// against 29.4 / 298, fp32 T = 65536 261 against 313 (session 12). kSpecialised: SpecT is a Spec,
+// rows on for other keys; docs/decisions/routing-wide-rows.md). kSpecialised: SpecT is a Spec,
 // not SpecGeneric.
 template <class SpecT>
 constexpr bool kSpecialised = !std::is_same_v<SpecT, SpecGeneric>;
@@ -134,10 +117,8 @@ constexpr bool kSpecialised = !std::is_same_v<SpecT, SpecGeneric>;
 // specialised kernels of 2 or 3 stripes (128 < E <= 384) that do not load the bias early (the
 // sigmoid + bias ones past kEarlyBiasMaxTokens, the others at every T); 3 (80 registers) for the
 // wide-row kernels (kWide: Shape::kWideMinBlocks, 3 but for a StreamShape; unbounded, the compiler
-// took 104-143 to keep more loads in flight); 1 elsewhere.
-// Measured on the H200 (fp32, us, against the same kernels at 34-48 registers, same call):
-// T = 4096 deepseek-v3 7.27 / 9.04, kimi-k2 7.49 / 8.91 (the fp32 anomaly noted below); T = 16384
-// kimi-k2 19.68 / 19.02 (a few of the E=384 kernels spill 24-32 bytes); others within +-0.5%.
+// took 104-143 to keep more loads in flight); 1 elsewhere. The 32-register bound took deepseek-v3
+// fp32 T = 4096 from 9.04 to 7.27 us (docs/decisions/routing-specialised-kernels.md).
 template <class Shape, class SpecT, bool kWide>
 constexpr int route_min_blocks() {
   if (kWide) return Shape::kWideMinBlocks;
@@ -196,11 +177,8 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
   }
   // Blocks of ceil(warps / SMs) warps: when the rows would not give every SM a full block, smaller
   // blocks spread them over more SMs, so that fewer rows share an SM's issue slots (at small T a
-  // row's latency is the call's). Measured on the H200 (fp32, us, against 8-warp blocks, same
-  // call): T = 16 deepseek-v3 3.10 / 3.38, kimi-k2 2.93 / 3.10, qwen3-next 2.82 / 3.05; T = 128
-  // 3.50 / 3.75, 3.47 / 3.62, 3.40 / 3.56; T = 1 unchanged. With 132 SMs and whole-warp rows the
-  // rule gives 8-warp blocks from T = 925 on, as before (forced 1-warp blocks were equal or up to
-  // 20% slower at T = 1024).
+  // row's latency is the call's). With 132 SMs and whole-warp rows the rule gives 8-warp blocks from
+  // T = 925 on (docs/decisions/routing-specialised-kernels.md).
   int sms = 0;
   const Status sm_status = current_sm_count("route", &sms);
   if (!sm_status.ok()) return sm_status;
@@ -270,17 +248,12 @@ Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
   return launch_route_spec_packed<Shape, kWide, true, Specs...>(p, stream);
 }
 
-// The specialised configurations (model families of DESIGN.md section 2), for fp32 and bf16
+// The specialised configurations (model families of docs/design.md section 2), for fp32 and bf16
 // logits, on the whole-warp shapes with up to 4 stripes (64 < E <= 512): softmax -> normalize
 // (the issue's E=256 K=8 configuration), none -> softmax (Qwen3, gpt-oss), sigmoid + bias ->
 // normalize (Kimi-K2, GLM-4.5) and the same with the lane group limit (DeepSeek-V3). Everything
-// else runs the generic kernel. Measured on the H200 against the generic kernel (fp32, us):
-// kimi-k2 2.76 / 62.5 at T = 1 / 65536 (was 3.16 / 72.2), qwen3-next 2.13 / 59.9 (2.44 / 69.7),
-// deepseek-v3 3.11 / 67.8 (3.60 / 79.5); but at T = 4096 those three got slower with fp32 logits
-// (8.97 / 8.91 / 9.19 against 7.72 / 8.08 / 8.57) while bf16 logits got faster. For kimi-k2 and
-// deepseek-v3 the 32-register cap of route_min_blocks removed that (7.49 / 7.27 at T = 4096);
-// qwen3-next (4 stripes, 42-58 registers) still shows it (8.8 fp32 against 8.2 bf16). Why one
-// wave of 512 blocks depends so much on the register count is not understood.
+// else runs the generic kernel (docs/decisions/routing-specialised-kernels.md; with fp32 logits
+// the T = 4096 wave is unexplainedly sensitive to the register count).
 // Past 4 stripes (513-1024 experts) only rows with a group limit reach these kernels
 // (launch_route_shape): sigmoid + bias -> normalize on either group path.
 // The kernels up to 4 stripes (E <= 512), after First... (checked first).
@@ -305,10 +278,8 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
     // 129 <= E <= 256: DeepSeek-V3's group limit (groups of 32 experts, shift 3) with the shift fixed
     // (route_warp's kGroupShift: butterflies unrolled, pair ranks), early bias first; then
     // DeepSeek-V2's rule (softmax, the chunk group path without lanes: groups of 20 experts, no post
-    // function), which ran the generic kernel before. Measured on the H200 (deepseek-v2, us, same
-    // call, three runs; session 28, bench/results ..._s28_deepseek_v2_spec_ab.md): fp32 T = 1 / 128
-    // / 1024 / 4096 / 16384 / 65536 2.62 / 2.76 / 3.20 / 6.02 / 18.2 / 64.2 against 3.30 / 3.55 / 3.82
-    // / 6.15 / 21.5 / 79.5, bf16 alike (65536: 66.4 against 85.5).
+    // function), 20% faster than the generic kernel at T = 65536
+    // (docs/decisions/routing-specialised-kernels.md).
     return launch_route_up_to_512<
         Shape, kDtype, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true, 3>,
         Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>,
@@ -321,30 +292,19 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
 // Wide rows (route_warp_wide, E > 512 without a group limit): the generic kernel (80 registers,
 // a few spilled), and specialised ones for none -> softmax, the wide-2048 preset's rule (56-59
 // registers, 4 blocks per SM), and for sigmoid + bias -> normalize (74-80 registers), each with
-// packed or plain candidate buffers (launch_route_for). Measured on the H200 (wide-2048, us at
-// T = 4096 / 65536): fp32 generic 41.3 / 486, specialised 31.7 / 314; before route_warp_wide
-// 49.8 / 625. Sigmoid + bias, E = 576 fp32 T = 1 / 4096 / 65536: 3.59 / 13.4 / 118 against the
-// generic kernel's 4.82 / 15.9 / 155 (session 13). Group limits past E = 512 keep route_warp
+// packed or plain candidate buffers (launch_route_for). Group limits past E = 512 keep route_warp
 // (their paths rank from the whole row in registers): packed buffers and specialised sigmoid + bias
 // kernels up to E = 1024, the generic kernel on plain buffers past it.
 // Rows of 513-1024 experts without a group limit, K >= 2: route_warp (the row in registers, packed
 // buffers) instead of route_warp_wide from this many rows on, for bf16 sigmoid + bias -> normalize
-// and fp32 / bf16 none -> softmax. Measured on the H200 (K = 8, us, same call, two runs, route_warp
-// against route_warp_wide; session 13): E = 896 none -> softmax bf16 T = 1024 / 4096 / 16384 / 65536
-// 3.8-4.1 / 7.3 / 20.9 / 73.0 against 4.9-5.5 / 9.2 / 27.6 / 95.5, fp32 5.3-5.4 / 10.3 / 25.1 / 79.0
-// against 5.7 / 10.5-10.9 / 25.1 / 82.7; sigmoid + bias bf16 E = 576 6.7 / 11.4 / 35.9 / 129.7 against
-// 6.9-7.3 / 14.2-14.4 / 40.4 / 139.3, E = 896 6.7 / 13.0 / 39.2 / 142.2 against 7.6-7.9 / 16.5-16.8 /
-// 47.5 / 169.3. Not below it (T = 16-256 up to 35% slower: the wide kernels' rows are shorter) nor for
-// fp32 sigmoid + bias (E = 576 T = 65536 134.8 against 119.1: the fp32 row's registers).
+// and fp32 / bf16 none -> softmax; not below it (the wide kernels' rows are shorter) nor for fp32
+// sigmoid + bias (the fp32 row's registers). docs/decisions/routing-wide-rows.md.
 constexpr std::int64_t kWarpForWideMinTokens = 1024;
 
 // Narrow segments (W < 32) that serve many rows (9-64 experts past the whole-warp bounds): the
 // rules of the small-expert models as Specs, fp32 and bf16 logits: softmax -> normalize (DBRX),
 // softmax without post function (OLMoE, Qwen1.5/2-MoE, DeepSeek-V2-Lite) and none -> softmax
-// (Mixtral-style, Phi-3.5-MoE). Measured on the H200 against the generic kernel (us, same call, 3
-// runs; session 18): dbrx fp32 T = 4096 / 8192 / 16384 2.36 / 2.52 / 2.91 against 1.88 / 2.01 / 2.41,
-// E = 32 K = 8 softmax T = 2048 / 16384 / 65536 2.68 / 5.44 / 16.75 against 2.29 / 4.74 / 13.52,
-// E = 64 T = 4096 / 65536 3.51 / 22.9 against 3.13 / 19.6 (bf16 alike).
+// (Mixtral-style, Phi-3.5-MoE); docs/decisions/routing-specialised-kernels.md.
 template <class Shape>
 inline constexpr bool kNarrowSpecs = Shape::W < 32 && Shape::kMaxExperts >= 16;
 template <DType kDtype>
@@ -377,10 +337,8 @@ bool narrow_spec_matches(const RouteParams& p) {
 // Narrow segments on packed candidate buffers (route_warp.cuh's kNarrowPacked) where K fits them
 // (2 <= K <= W) and the knob allows it: K rounds of one shuffle butterfly over packed keys instead of
 // two (key, then expert), and five min / max per value for the buffer insert instead of compares and
-// selects on a key and an expert. Measured on the H200 (fp32, us, same call, two runs, packed against
-// plain; session 19): E = 64 K = 8 softmax T = 4096 / 16384 / 65536 2.52 / 6.13 / 15.5 against 3.13 /
-// 7.80 / 19.7; E = 32 T = 1024 / 8192 / 65536 1.86 / 2.43 / 11.0 against 2.24 / 2.94 / 13.5 (T = 16384
-// equal, bf16 4.6 against 4.3 there); dbrx (K = 4) T = 4096 / 16384 1.77 / 2.25 against 1.88 / 2.41.
+// selects on a key and an expert (E = 64 K = 8 T = 65536: 15.5 us against 19.7;
+// docs/decisions/routing-packed-keys.md).
 template <class Shape>
 bool use_narrow_packed(const RouteParams& p, const routing::RouteChoice& choice) {
   return choice.narrow_packed && routing::narrow_packed_fits<Shape>(p.top_k);
@@ -414,17 +372,12 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
   }
   if constexpr (routing::kPackedBuffers<Shape>) {
     // Whole-warp rows up to E = 1024 (past 512: with a group limit) on route_warp. Top-K: K >= 2
-    // takes the packed candidate buffers (select_top_k_packed) in every kernel below (measured
-    // against the earlier forms: bench/results/README.md, session 11).
-    // K = 1 keeps the plain top-K pass: measured on the H200, llama4-maverick (E=128, K=1, generic
-    // kernel) at T = 16384 / 65536 took 7.92 / 26.75 us on the packed buffers against 6.77 / 22.03.
+    // takes the packed candidate buffers (select_top_k_packed) in every kernel below; K = 1 keeps
+    // the plain top-K pass (docs/decisions/routing-packed-keys.md).
     // Rows of one stripe (up to 128 experts) with Llama 4's rule (no pre function, post sigmoid)
-    // take specialised kernels there (25-32 registers): ncu of the generic one (48 registers;
-    // llama4-maverick fp32 T = 65536, session 29, bench/results ..._s29_ncu_llama4.txt) put about a
-    // quarter of its instructions a row in run-time tests of the rule and the shared-memory sizing.
-    // Measured on the H200 (same call, three runs, us; ..._s29_specs_ab.md): llama4-maverick fp32
-    // T = 1 / 1024 / 4096 / 16384 / 65536 1.14 / 1.32 / 1.98 / 5.14 / 16.1 against 1.30 / 1.60 / 2.53 /
-    // 6.86 / 22.8, bf16 1.13 / 1.32 / 1.89 / 4.99 / 16.0 against 1.40 / 1.69 / 2.66 / 7.12 / 23.9.
+    // take specialised kernels there (25-32 registers): the generic one (48 registers) spent about
+    // a quarter of its instructions a row in run-time tests of the rule and the shared-memory
+    // sizing (docs/decisions/routing-specialised-kernels.md).
     if (p.top_k < routing::dev::kPackedMinK) {
       if constexpr (Shape::S == 1) {
         return launch_route_spec_packed<
@@ -465,17 +418,8 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
 // warp, streaming 2 stripes at a time into packed buffers of depth 4 (48 registers, 5 blocks per SM),
 // for sigmoid + fp32 bias -> normalize without a group limit (GLM-4.5's rule), fp32 and bf16 logits.
 // A whole warp holds such a row in 2 stripes of 128 (256 experts), so at E = 160 three of its eight
-// values per lane are padding; 8 lanes hold E / 8 values each, in E / 32 stripes. Measured on the H200
-// (glm-4.5, E = 160 K = 8, us, against the whole warp, same call, two runs; session 20, with absent
-// experts read as 0, route_warp.cuh's absent_fill): fp32 T = 32768 / 65536 23.1 / 37.3-38.7 against
-// 25.9 / 48.7, bf16 24.1-24.6 / 39.3 against 26.9-27.1 / 50.6; T = 16384 16.6-16.8 against 14.2-14.4
-// (before absent_fill the whole warp took 29.1 / 55.0 at fp32 T = 32768 / 65536, and the form 10.7
-// against 6.1 at T = 4096: a lane's 20 values are one serial chain). Rows without that padding gained
-// nothing from the form: ncu at kimi-k2 (E = 384) fp32 T = 65536 counted 703 warp instructions per row
-// against the whole warp's 730, ~50 per value and lane (the oracle-exact exp alone ~14), at 59% issue
-// slots busy against 77% (74.0 us against 57.9); E = 576 gained 5% at T = 65536 and lost at T <= 16384.
-// (Forms measured: batches of 4 and 2 stripes, prefetching the next batch, 16 lanes a row;
-// bench/results/h200_2026-12-01_s20_stream_narrow_ab.json.)
+// values per lane are padding; 8 lanes hold E / 8 values each, in E / 32 stripes. Rows without that
+// padding gain nothing from the form (docs/decisions/routing-wide-rows.md).
 bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* status) {
   using Shape = routing::StreamShape<routing::kStreamLanes, 6, 4, 2, 5>;
   static_assert(routing::kStreamMaxExperts <= Shape::kMaxExperts, "the stream shape's experts");
@@ -531,11 +475,7 @@ Status launch_route_rows_spec(const RouteParams& p, cudaStream_t stream) {
 
 // route_rows for p (routing::rows_kernel_fits): the smallest kE >= E and kK >= K, with specialised
 // kernels for the rules of Mixtral (and Phi-3.5-MoE: none -> softmax) and DBRX (softmax ->
-// normalize), fp32 and bf16 logits. Measured on the H200 (same call, three runs, us, against the
-// generic route_rows; session 29, bench/results ..._s29_specs_ab.md): mixtral-8x7b fp32 T = 128 /
-// 1024 / 16384 / 65536 1.14 / 1.22 / 1.29 / 2.06 against 1.23 / 1.39 / 1.50 / 2.13, bf16 1.14 / 1.28 /
-// 1.29 / 1.81 against 1.31 / 1.39 / 1.57 / 2.09; dbrx (route_rows from 65536 rows) fp32 / bf16 4.80 /
-// 4.47 against 5.08 / 4.88.
+// normalize), fp32 and bf16 logits (docs/decisions/routing-specialised-kernels.md).
 Status launch_route_rows_for(const RouteParams& p, cudaStream_t stream) {
   static_assert(routing::kRowsMaxExperts == 16 && routing::kRowsMaxTopK == 8, "the kernels below");
   const int e_cap = p.num_experts <= 8 ? 8 : 16;

@@ -15,7 +15,7 @@ rows), whose picks it asserts are the true top-K.
 
 This checks the algorithm, not the CUDA code (the GPU tests compare the kernels with the CPU
 oracle); run it after changing the check:
-  python3 scripts/packed_topk_model.py [seed] [rows]
+  python3 tools/packed_topk_model.py [seed] [rows]
 """
 import random
 import struct

@@ -1,4 +1,4 @@
-// Printable names of the routing enums, for test traces.
+// Printable names of the routing enums, for test traces, and a RoutingConfig builder.
 #pragma once
 
 #include "switchyard/routing.h"
@@ -45,6 +45,22 @@ inline const char* rule_name(switchyard::GroupRule r) {
       return "topk_sum";
   }
   return "?";
+}
+
+inline switchyard::RoutingConfig make_config(int E, int K, switchyard::PreFn pre, switchyard::PostFn post,
+                                             float scale = 1.0f,
+                                             switchyard::GroupRule rule = switchyard::GroupRule::kNone,
+                                             int n_group = 1, int topk_group = 1) {
+  switchyard::RoutingConfig c;
+  c.num_experts = E;
+  c.top_k = K;
+  c.pre = pre;
+  c.post = post;
+  c.scale = scale;
+  c.group_rule = rule;
+  c.n_group = n_group;
+  c.topk_group = topk_group;
+  return c;
 }
 
 }  // namespace sy_test

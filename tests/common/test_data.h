@@ -70,6 +70,19 @@ inline void flat_top_row(float* row, int E, std::mt19937_64& g) {
 }
 
 enum class Skew { kUniform, kZipf, kOneHot };
+constexpr Skew kSkews[] = {Skew::kUniform, Skew::kZipf, Skew::kOneHot};
+
+inline const char* skew_name(Skew s) {
+  switch (s) {
+    case Skew::kUniform:
+      return "uniform";
+    case Skew::kZipf:
+      return "zipf";
+    case Skew::kOneHot:
+      return "onehot";
+  }
+  return "?";
+}
 
 // Expert ids [T,K] in [0,E): distinct within a row, drawn uniformly, Zipf(1.2)-weighted, or
 // with every token on expert `hot` first (the rest distinct).
@@ -89,11 +102,43 @@ inline std::vector<std::int64_t> random_ids(std::int64_t T, int K, int E, Skew s
       if (skew == Skew::kOneHot && k == 0) {
         e = hot;
       } else {
-        do e = draw(g); while (used[e]);
+        do e = draw(g);
+        while (used[e]);
       }
       used[e] = 1;
       ids[t * K + k] = e;
     }
+  }
+  return ids;
+}
+
+// The ids of random_ids (same distributions, other draws), O(log E) per pick: random_ids builds a
+// distribution over E experts per pick, too slow for millions of picks.
+inline std::vector<std::int64_t> fast_random_ids(std::int64_t T, int K, int E, Skew skew, std::uint64_t seed,
+                                                 int hot = 0) {
+  std::mt19937_64 g(seed);
+  std::vector<double> cdf(E);
+  double sum = 0;
+  for (int e = 0; e < E; ++e) {
+    sum += skew == Skew::kZipf ? 1.0 / std::pow(e + 1.0, 1.2) : 1.0;
+    cdf[e] = sum;
+  }
+  std::uniform_real_distribution<double> u(0.0, sum);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(T * K));
+  std::vector<char> used(E, 0);
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      int e = hot;
+      if (!(skew == Skew::kOneHot && k == 0)) {
+        do {
+          e = std::min<int>(E - 1,
+                            static_cast<int>(std::upper_bound(cdf.begin(), cdf.end(), u(g)) - cdf.begin()));
+        } while (used[e]);
+      }
+      used[e] = 1;
+      ids[t * K + k] = e;
+    }
+    for (int k = 0; k < K; ++k) used[ids[t * K + k]] = 0;
   }
   return ids;
 }

@@ -1,4 +1,4 @@
-// Expert parallelism on the CPU (ep.h, DESIGN.md section 6): CpuGroup against a brute-force
+// Expert parallelism on the CPU (ep.h, docs/design.md section 6): CpuGroup against a brute-force
 // reference written here from the contract, not from src/cpu/ep.
 //
 //   dispatch, rank-major: for each destination rank, every (source rank, source token) that has

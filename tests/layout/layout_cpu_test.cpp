@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/layout_inputs.h"
 #include "common/test_data.h"
 #include "switchyard/layout.h"
 
@@ -24,176 +25,42 @@ using switchyard::Device;
 using switchyard::DType;
 using switchyard::Layout;
 using switchyard::LayoutConfig;
-using switchyard::LocalExperts;
 using switchyard::Status;
 using switchyard::TensorView;
+using sy_test::Duplicates;
 using sy_test::kPoisonI32;
+using sy_test::kSkews;
+using sy_test::LayoutCase;
+using sy_test::LayoutInputs;
+using sy_test::LocalKind;
 using sy_test::Skew;
 
 constexpr const auto& kTs = sy_test::kSweepTokens;
 constexpr const auto& kEs = sy_test::kSweepExperts;
 constexpr const auto& kKs = sy_test::kSweepTopK;
 constexpr const auto& kMs = sy_test::kSweepTiles;
-constexpr Skew kSkews[] = {Skew::kUniform, Skew::kZipf, Skew::kOneHot};
 // Elements after each buffer's capacity that must keep their poison.
 constexpr std::int64_t kGuard = 61;
 
-enum class LocalKind { kAll, kRange, kMap };
-
-struct LayoutCase {
-  std::int64_t T = 0;
-  int E = 8;
-  int K = 1;
-  Skew skew = Skew::kUniform;
-  bool ids64 = false;
-  LocalKind local = LocalKind::kAll;
-  int start = 0;   // range form
-  int count = -1;  // range and map forms: L
-  int stride = 1;  // range form
-  int M = 1;
-  bool invalid = false;     // mix ids outside [0, E) and -1 into the picks
-  bool duplicates = false;  // some tokens repeat an expert in a later slot
-};
-
-const char* skew_name(Skew s) {
-  switch (s) {
-    case Skew::kUniform:
-      return "uniform";
-    case Skew::kZipf:
-      return "zipf";
-    case Skew::kOneHot:
-      return "onehot";
-  }
-  return "?";
-}
-
-std::string describe(const LayoutCase& c) {
-  std::ostringstream os;
-  os << "T=" << c.T << " E=" << c.E << " K=" << c.K << " skew=" << skew_name(c.skew)
-     << " ids=" << (c.ids64 ? "int64" : "int32") << " local=";
-  switch (c.local) {
-    case LocalKind::kAll:
-      os << "all";
-      break;
-    case LocalKind::kRange:
-      os << "range(" << c.start << "," << c.count << "," << c.stride << ")";
-      break;
-    case LocalKind::kMap:
-      os << "map(L=" << c.count << ")";
-      break;
-  }
-  os << " M=" << c.M << " invalid=" << c.invalid << " duplicates=" << c.duplicates;
-  return os.str();
-}
-
+using sy_test::num_local;
+using sy_test::pick_local;
 using sy_test::test_seed;
 
-int num_local(const LayoutCase& c) { return c.local == LocalKind::kAll ? c.E : c.count; }
-
-// Distinct ids per row like sy_test::random_ids, but O(1) per draw so that the big shapes
-// (T=4096, K=32, E=2048) stay fast; random_ids builds a distribution over E per draw.
-std::vector<std::int64_t> fast_random_ids(std::int64_t T, int K, int E, Skew skew, std::uint64_t seed,
-                                          int hot) {
-  std::mt19937_64 g(seed);
-  std::vector<double> cdf(E);
-  double sum = 0;
-  for (int e = 0; e < E; ++e) {
-    sum += skew == Skew::kZipf ? 1.0 / std::pow(e + 1.0, 1.2) : 1.0;
-    cdf[e] = sum;
-  }
-  std::uniform_real_distribution<double> u(0.0, sum);
-  std::vector<std::int64_t> ids(static_cast<std::size_t>(T * K));
-  std::vector<char> used(E, 0);
-  for (std::int64_t t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      int e;
-      if (skew == Skew::kOneHot && k == 0) {
-        e = hot;
-      } else {
-        do {
-          e = static_cast<int>(std::upper_bound(cdf.begin(), cdf.end(), u(g)) - cdf.begin());
-          e = std::min(e, E - 1);
-        } while (used[e]);
-      }
-      used[e] = 1;
-      ids[t * K + k] = e;
-    }
-    for (int k = 0; k < K; ++k) used[ids[t * K + k]] = 0;
-  }
-  return ids;
-}
-
-struct LayoutInputs {
-  std::vector<std::int64_t> ids;  // values; handed to the library as int32 or int64
-  std::vector<std::int32_t> ids32;
-  std::vector<std::int32_t> expert_map;  // map form only
-};
-
-// Builds the ids (and the expert map) for a case.
+// This test's draw of the inputs (tests/common/layout_inputs.h).
 LayoutInputs make_inputs(const LayoutCase& c, std::uint64_t seed) {
-  LayoutInputs in;
-  std::mt19937_64 g(seed ^ 0x9e3779b97f4a7c15ull);
-  if (c.local == LocalKind::kMap) {
-    // An injective map onto a random subset of [0, L), the rest -1 or junk that counts as -1.
-    const int L = c.count;
-    std::vector<int> perm(c.E);
-    for (int e = 0; e < c.E; ++e) perm[e] = e;
-    std::shuffle(perm.begin(), perm.end(), g);
-    const std::int32_t junk[] = {-1,
-                                 -2,
-                                 -1000,
-                                 L,
-                                 L + 5,
-                                 std::numeric_limits<std::int32_t>::min(),
-                                 std::numeric_limits<std::int32_t>::max()};
-    in.expert_map.assign(c.E, -1);
-    for (int e = 0; e < c.E; ++e) in.expert_map[e] = junk[g() % 7];
-    // About 1 in 8 of the L local slots stays without a global expert.
-    int placed = 0;
-    for (int l = 0; l < L && placed < c.E; ++l) {
-      if (g() % 8 == 0) continue;
-      in.expert_map[perm[placed++]] = l;
-    }
-  }
-  // The hot expert of one-hot routing is a local one whenever there is one.
-  int hot = 0;
-  if (c.local == LocalKind::kRange && c.count > 0) hot = c.start + static_cast<int>(g() % c.count) * c.stride;
-  if (c.local == LocalKind::kMap) {
-    for (int e = 0; e < c.E; ++e) {
-      if (in.expert_map[e] >= 0 && in.expert_map[e] < c.count) {
-        hot = e;
-        break;
-      }
-    }
-  }
-  const double work = static_cast<double>(c.T) * c.K * c.E;
-  in.ids = work <= 2e5 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
-                       : fast_random_ids(c.T, c.K, c.E, c.skew, seed, hot);
-  if (c.duplicates) sy_test::repeat_slots(in.ids, c.T, c.K, g, 0, 3);  // about a third of the tokens
-  if (c.invalid) {
-    std::vector<std::int64_t> bad = {-1,
-                                     -1,
-                                     -1,
-                                     -2,
-                                     c.E,
-                                     c.E + 1,
-                                     -1000000,
-                                     std::numeric_limits<std::int32_t>::min(),
-                                     std::numeric_limits<std::int32_t>::max()};
-    if (c.ids64) {
-      // Ids whose low 32 bits are a valid expert: a backend that truncates would place them.
-      bad.push_back((std::int64_t{1} << 32) + 3);
-      bad.push_back(static_cast<std::int64_t>(0xffffffff00000001ull));
-      bad.push_back(std::numeric_limits<std::int64_t>::min());
-      bad.push_back(std::numeric_limits<std::int64_t>::max());
-      bad.push_back(-(std::int64_t{1} << 40));
-    }
-    for (std::int64_t& id : in.ids) {
-      if (g() % 16 == 0) id = bad[g() % bad.size()];
-    }
-  }
-  if (!c.ids64) in.ids32.assign(in.ids.begin(), in.ids.end());
-  return in;
+  sy_test::LayoutInputsDraw draw;
+  draw.salt = 0x9e3779b97f4a7c15ull;
+  draw.map_negative[0] = -2;
+  draw.map_negative[1] = -1000;
+  draw.map_past_l = 5;
+  draw.random_hot = false;
+  draw.fast_ids_above = 2e5;
+  // Ids whose low 32 bits are a valid expert: a backend that truncates would place them.
+  draw.invalid_ids64 = {(std::int64_t{1} << 32) + 3, static_cast<std::int64_t>(0xffffffff00000001ull),
+                        std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max(),
+                        -(std::int64_t{1} << 40)};
+  draw.invalid_every = 16;
+  return sy_test::make_layout_inputs(c, seed, draw);
 }
 
 // Everything a layout must produce, from the docs/design.md formulas.
@@ -353,25 +220,6 @@ void expect_array(const char* name, const std::vector<std::int32_t>& got,
   }
 }
 
-LayoutConfig make_config(const LayoutCase& c, const LayoutInputs& in) {
-  LayoutConfig config;
-  config.num_experts = c.E;
-  config.tile_size = c.M;
-  switch (c.local) {
-    case LocalKind::kAll:
-      config.local = LocalExperts::all();
-      break;
-    case LocalKind::kRange:
-      config.local = LocalExperts::range(c.start, c.count, c.stride);
-      break;
-    case LocalKind::kMap:
-      config.local = LocalExperts::map(
-          TensorView::of(in.expert_map.data(), DType::kInt32, {c.E}, Device::cpu()), c.count);
-      break;
-  }
-  return config;
-}
-
 TensorView ids_view(const LayoutCase& c, const LayoutInputs& in) {
   if (c.ids64) return TensorView::of(in.ids.data(), DType::kInt64, {c.T, c.K}, Device::cpu());
   return TensorView::of(in.ids32.data(), DType::kInt32, {c.T, c.K}, Device::cpu());
@@ -379,7 +227,8 @@ TensorView ids_view(const LayoutCase& c, const LayoutInputs& in) {
 
 Status run_layout(const LayoutCase& c, const LayoutInputs& in, LayoutBuffers& buf,
                   std::int64_t view_extra = 0) {
-  return switchyard::layout(make_config(c, in), ids_view(c, in), buf.views(view_extra), nullptr, 0);
+  return switchyard::layout(sy_test::make_config(c, in.expert_map.data(), Device::cpu()), ids_view(c, in),
+                            buf.views(view_extra), nullptr, 0);
 }
 
 // Runs one case end to end and compares every array with the reference.
@@ -403,18 +252,6 @@ void check_case(const LayoutCase& c, std::uint64_t seed, std::int64_t view_extra
   expect_array("tile_expert", buf.tile_expert, want.tile_expert);
   expect_array("tile_row_end", buf.tile_row_end, want.tile_row_end);
   expect_array("totals", buf.totals, want.totals);
-}
-
-// Fills in a random range or map for a case whose `local` kind is set.
-void pick_local(LayoutCase& c, std::mt19937_64& g, int stride) {
-  if (c.local == LocalKind::kRange) {
-    c.stride = stride;
-    c.start = static_cast<int>(g() % static_cast<std::uint64_t>(std::max(1, c.E / 2)));
-    const int max_count = (c.E - 1 - c.start) / c.stride + 1;
-    c.count = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(max_count));
-  } else if (c.local == LocalKind::kMap) {
-    c.count = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(c.E));
-  }
 }
 
 // The largest K of the list that does not exceed E, starting from index `i`.
@@ -528,7 +365,7 @@ TEST(LayoutCpu, DuplicatePicksInAToken) {
       c.ids64 = g() % 2 == 1;
       c.local = static_cast<LocalKind>(g() % 3);
       c.invalid = g() % 2 == 1;
-      c.duplicates = true;
+      c.duplicates = Duplicates::kMany;
       pick_local(c, g, g() % 2 == 0 ? 1 : 3);
       check_case(c, g());
       if (HasFatalFailure()) return;

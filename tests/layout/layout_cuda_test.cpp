@@ -20,6 +20,7 @@
 
 #include "common/cuda_test_util.h"
 #include "common/float_formats.h"
+#include "common/layout_inputs.h"
 #include "common/scoped_env.h"
 #include "common/sm_holder.h"
 #include "common/test_data.h"
@@ -32,201 +33,43 @@ using switchyard::Device;
 using switchyard::DType;
 using switchyard::Layout;
 using switchyard::LayoutConfig;
-using switchyard::LocalExperts;
 using switchyard::Status;
 using switchyard::TensorView;
 using sy_test::DeviceBuffer;
+using sy_test::Duplicates;
+using sy_test::kSkews;
+using sy_test::LocalKind;
 using sy_test::Skew;
+using Case = sy_test::LayoutCase;
+using Inputs = sy_test::LayoutInputs;
 
 constexpr std::int64_t kTs[] = {0, 1, 3, 19, 111, 989, 4096, 65536, 262144};
 constexpr int kEs[] = {8, 160, 256, 384, 512, 2048, 4096};
 constexpr int kKs[] = {1, 2, 8, 10, 22, 32};
 constexpr int kMs[] = {1, 7, 64, 128, 192};
-constexpr Skew kSkews[] = {Skew::kUniform, Skew::kZipf, Skew::kOneHot};
 // int32 elements after each array's capacity that must keep their poison.
 constexpr std::int64_t kGuard = 67;
 constexpr std::int32_t kPoison = static_cast<std::int32_t>(0xA5A5A5A5u);  // cudaMemset byte 0xA5
 
+using sy_test::make_config;
+using sy_test::num_local;
+using sy_test::pick_local;
 using sy_test::test_seed;
 
-const char* skew_name(Skew s) {
-  switch (s) {
-    case Skew::kUniform:
-      return "uniform";
-    case Skew::kZipf:
-      return "zipf";
-    case Skew::kOneHot:
-      return "onehot";
-  }
-  return "?";
-}
-
-enum class LocalKind { kAll, kRange, kMap };
-
-// Tokens with two picks of one expert (ids are data: nothing forbids them, and the one-block
-// kernels' bitmap ranking must notice them): none, in about a third of the tokens, or in the last
-// token only (one duplicate among all the picks, in the last block of a cluster).
-enum class Duplicates { kNone, kMany, kLastToken };
-
-struct Case {
-  std::int64_t T = 0;
-  int E = 8;
-  int K = 1;
-  int M = 1;
-  Skew skew = Skew::kUniform;
-  bool ids64 = false;
-  LocalKind local = LocalKind::kAll;
-  int start = 0;         // range form
-  int count = -1;        // range / map form: L
-  int stride = 1;        // range form
-  bool invalid = false;  // mix -1 and ids outside [0, E) into the picks
-  Duplicates duplicates = Duplicates::kNone;
-  bool independent_blocks = false;  // LayoutConfig::independent_blocks
-};
-
-std::string describe(const Case& c) {
-  std::ostringstream os;
-  os << "T=" << c.T << " E=" << c.E << " K=" << c.K << " M=" << c.M << " skew=" << skew_name(c.skew)
-     << " ids=" << (c.ids64 ? "int64" : "int32") << " local=";
-  switch (c.local) {
-    case LocalKind::kAll:
-      os << "all";
-      break;
-    case LocalKind::kRange:
-      os << "range(start=" << c.start << ",count=" << c.count << ",stride=" << c.stride << ")";
-      break;
-    case LocalKind::kMap:
-      os << "map(L=" << c.count << ")";
-      break;
-  }
-  os << " invalid=" << c.invalid << " duplicates="
-     << (c.duplicates == Duplicates::kNone   ? "none"
-         : c.duplicates == Duplicates::kMany ? "many"
-                                             : "last");
-  if (c.independent_blocks) os << " independent_blocks";
-  return os.str();
-}
-
-int num_local(const Case& c) { return c.local == LocalKind::kAll ? c.E : c.count; }
-
-// Distinct ids per row with the distributions of sy_test::random_ids, O(log E) per draw:
-// random_ids builds a distribution over E experts per draw, too slow for millions of picks.
-std::vector<std::int64_t> fast_ids(std::int64_t T, int K, int E, Skew skew, std::uint64_t seed, int hot) {
-  std::mt19937_64 g(seed);
-  std::vector<double> cdf(E);
-  double sum = 0;
-  for (int e = 0; e < E; ++e) {
-    sum += skew == Skew::kZipf ? 1.0 / std::pow(e + 1.0, 1.2) : 1.0;
-    cdf[e] = sum;
-  }
-  std::uniform_real_distribution<double> u(0.0, sum);
-  std::vector<std::int64_t> ids(static_cast<std::size_t>(T * K));
-  std::vector<char> used(E, 0);
-  for (std::int64_t t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      int e = hot;
-      if (!(skew == Skew::kOneHot && k == 0)) {
-        do {
-          e = std::min<int>(E - 1,
-                            static_cast<int>(std::upper_bound(cdf.begin(), cdf.end(), u(g)) - cdf.begin()));
-        } while (used[e]);
-      }
-      used[e] = 1;
-      ids[t * K + k] = e;
-    }
-    for (int k = 0; k < K; ++k) used[ids[t * K + k]] = 0;
-  }
-  return ids;
-}
-
-struct Inputs {
-  std::vector<std::int64_t> ids;  // values; handed over as int32 or int64
-  std::vector<std::int32_t> ids32;
-  std::vector<std::int32_t> expert_map;  // map form
-};
-
+// This test's draw of the inputs (tests/common/layout_inputs.h).
 Inputs make_inputs(const Case& c, std::uint64_t seed) {
-  Inputs in;
-  std::mt19937_64 g(seed ^ 0x5bd1e995ull);
-  if (c.local == LocalKind::kMap) {
-    // Injective onto a random subset of [0, L); the other entries -1 or junk that counts as -1.
-    const int L = c.count;
-    std::vector<int> perm(c.E);
-    for (int e = 0; e < c.E; ++e) perm[e] = e;
-    std::shuffle(perm.begin(), perm.end(), g);
-    const std::int32_t junk[] = {-1,
-                                 -1,
-                                 -7,
-                                 L,
-                                 L + 3,
-                                 std::numeric_limits<std::int32_t>::min(),
-                                 std::numeric_limits<std::int32_t>::max()};
-    in.expert_map.resize(c.E);
-    for (int e = 0; e < c.E; ++e) in.expert_map[e] = junk[g() % 7];
-    int placed = 0;
-    for (int l = 0; l < L && placed < c.E; ++l) {
-      if (g() % 8 == 0) continue;  // some local experts have no global expert
-      in.expert_map[perm[placed++]] = l;
-    }
-  }
-  // One-hot routing sends every token to a local expert when there is one.
-  int hot = static_cast<int>(g() % static_cast<std::uint64_t>(c.E));
-  if (c.local == LocalKind::kRange && c.count > 0) hot = c.start + static_cast<int>(g() % c.count) * c.stride;
-  if (c.local == LocalKind::kMap) {
-    for (int e = 0; e < c.E; ++e) {
-      if (in.expert_map[e] >= 0 && in.expert_map[e] < c.count) {
-        hot = e;
-        break;
-      }
-    }
-  }
-  in.ids = static_cast<double>(c.T) * c.K * c.E <= 2e6 ? sy_test::random_ids(c.T, c.K, c.E, c.skew, seed, hot)
-                                                       : fast_ids(c.T, c.K, c.E, c.skew, seed, hot);
-  if (c.duplicates == Duplicates::kMany) sy_test::repeat_slots(in.ids, c.T, c.K, g, 0, 3);
-  if (c.duplicates == Duplicates::kLastToken) sy_test::repeat_slots(in.ids, c.T, c.K, g, c.T - 1, 1);
-  if (c.invalid) {
-    std::vector<std::int64_t> bad = {-1,
-                                     -1,
-                                     -1,
-                                     -2,
-                                     c.E,
-                                     c.E + 1,
-                                     -1000000,
-                                     std::numeric_limits<std::int32_t>::min(),
-                                     std::numeric_limits<std::int32_t>::max()};
-    if (c.ids64) {
-      // Low 32 bits name a valid expert: a kernel that truncates to int32 would place them.
-      bad.push_back((std::int64_t{1} << 32) + 1);
-      bad.push_back(static_cast<std::int64_t>(0xffffffff00000000ull));
-      bad.push_back(std::numeric_limits<std::int64_t>::min());
-      bad.push_back(std::numeric_limits<std::int64_t>::max());
-    }
-    const std::uint64_t rate = 4 + g() % 29;  // 1 in 4 .. 1 in 32
-    for (std::int64_t& id : in.ids) {
-      if (g() % rate == 0) id = bad[g() % bad.size()];
-    }
-  }
-  if (!c.ids64) in.ids32.assign(in.ids.begin(), in.ids.end());
-  return in;
-}
-
-LayoutConfig make_config(const Case& c, const void* expert_map, Device device) {
-  LayoutConfig config;
-  config.num_experts = c.E;
-  config.tile_size = c.M;
-  config.independent_blocks = c.independent_blocks;
-  switch (c.local) {
-    case LocalKind::kAll:
-      config.local = LocalExperts::all();
-      break;
-    case LocalKind::kRange:
-      config.local = LocalExperts::range(c.start, c.count, c.stride);
-      break;
-    case LocalKind::kMap:
-      config.local = LocalExperts::map(TensorView::of(expert_map, DType::kInt32, {c.E}, device), c.count);
-      break;
-  }
-  return config;
+  sy_test::LayoutInputsDraw draw;
+  draw.salt = 0x5bd1e995ull;
+  draw.map_negative[0] = -1;
+  draw.map_negative[1] = -7;
+  draw.map_past_l = 3;
+  draw.random_hot = true;
+  draw.fast_ids_above = 2e6;
+  // Low 32 bits name a valid expert: a kernel that truncates to int32 would place them.
+  draw.invalid_ids64 = {(std::int64_t{1} << 32) + 1, static_cast<std::int64_t>(0xffffffff00000000ull),
+                        std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max()};
+  draw.invalid_every = 0;  // 1 in 4-32, drawn per case
+  return sy_test::make_layout_inputs(c, seed, draw);
 }
 
 // Array names in Layout order.
@@ -401,17 +244,6 @@ void check_case(const Case& c, std::uint64_t seed) {
   ASSERT_TRUE(s.ok()) << s.to_string();
   SY_CUDA_OK(cudaDeviceSynchronize());
   expect_same_layout(want, gpu.out);
-}
-
-void pick_local(Case& c, std::mt19937_64& g, int stride) {
-  if (c.local == LocalKind::kRange) {
-    c.stride = stride;
-    c.start = static_cast<int>(g() % static_cast<std::uint64_t>(std::max(1, c.E / 2)));
-    const int max_count = (c.E - 1 - c.start) / c.stride + 1;
-    c.count = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(max_count));
-  } else if (c.local == LocalKind::kMap) {
-    c.count = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(c.E));
-  }
 }
 
 // A random case over the secondary axes for (T, E, K).

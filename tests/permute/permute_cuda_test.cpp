@@ -36,7 +36,9 @@ using switchyard::Layout;
 using switchyard::Status;
 using switchyard::TensorView;
 using sy_test::DeviceBuffer;
+using sy_test::kSkews;
 using sy_test::Skew;
+using sy_test::skew_name;
 
 constexpr int kNumExperts = 32;
 // Host bytes above which a sweep case shrinks K and the tile (keeps the binary fast).
@@ -85,17 +87,6 @@ std::vector<unsigned char> random_floats(DType dtype, std::size_t n, std::uint64
     }
   }
   return out;
-}
-
-const char* skew_name(Skew s) {
-  switch (s) {
-    case Skew::kUniform:
-      return "uniform";
-    case Skew::kZipf:
-      return "zipf";
-    default:
-      return "one-hot";
-  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -420,7 +411,6 @@ void run_gather_case(const GatherCase& c) {
 const std::vector<std::int64_t> kHiddenSizes = {1, 7, 100, 300, 2048, 2880, 4096, 7168};
 const std::vector<std::int64_t> kSmallTokenCounts = {1, 3, 19, 111, 989};
 const std::vector<int> kTopKs = {1, 2, 8};
-const std::vector<Skew> kSkews = {Skew::kUniform, Skew::kZipf, Skew::kOneHot};
 
 // Shrinks a sweep case whose buffers would exceed kSweepBytesCap.
 void cap_shape(LayoutShape* s, std::int64_t row_bytes) {

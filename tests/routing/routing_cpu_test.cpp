@@ -89,6 +89,7 @@ double fp16_value(std::uint16_t h) {
 // Position of a bf16 value on the number line, for ulp distances.
 int bf16_key(std::uint16_t h) { return (h & 0x8000) ? -static_cast<int>(h & 0x7fff) : static_cast<int>(h); }
 
+using sy_test::make_config;
 using sy_test::post_name;
 using sy_test::pre_name;
 using sy_test::rule_name;
@@ -513,20 +514,6 @@ struct Spec {
   double nonfinite_rows = 0.0;  // fraction of rows replaced by a non-finite pattern
   bool demand_exact = false;
 };
-
-RoutingConfig make_config(int E, int K, PreFn pre, PostFn post, float scale = 1.0f,
-                          GroupRule rule = GroupRule::kNone, int n_group = 1, int topk_group = 1) {
-  RoutingConfig c;
-  c.num_experts = E;
-  c.top_k = K;
-  c.pre = pre;
-  c.post = post;
-  c.scale = scale;
-  c.group_rule = rule;
-  c.n_group = n_group;
-  c.topk_group = topk_group;
-  return c;
-}
 
 std::string describe(const Spec& s) {
   const RoutingConfig& c = s.cfg;

@@ -44,6 +44,7 @@ using switchyard::PreFn;
 using switchyard::RoutingConfig;
 using switchyard::Status;
 using switchyard::TensorView;
+using sy_test::make_config;
 using sy_test::DeviceBuffer;
 
 // Input distributions.
@@ -520,16 +521,6 @@ void check_case(const Case& c) {
   ASSERT_TRUE(s.ok()) << s.to_string();
   SY_CUDA_OK(cudaDeviceSynchronize());
   compare(pr, cpu_ids, cpu_w);
-}
-
-RoutingConfig make_config(int E, int K, PreFn pre, PostFn post, float scale = 1.0f) {
-  RoutingConfig c;
-  c.num_experts = E;
-  c.top_k = K;
-  c.pre = pre;
-  c.post = post;
-  c.scale = scale;
-  return c;
 }
 
 const DType kLogitDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};

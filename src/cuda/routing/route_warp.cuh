@@ -261,7 +261,7 @@ struct RoutedPicks {
 // route_warp_wide (docs/decisions/routing-row-forms.md).
 // Rows up to which whole-warp rows of 65-128 / 129-512 experts keep 3 candidates per lane instead
 // of 2: with 2, 3-8% of the rows of deepseek-v3, kimi-k2 or qwen3-next (random logits; model:
-// scripts/buffer_overflow_model.py) have a lane holding 3 of the K picks and take the exact rounds,
+// tools/buffer_overflow_model.py) have a lane holding 3 of the K picks and take the exact rounds,
 // and at small T the slowest row is the call's time; with more rows the deeper insert costs more
 // (docs/decisions/routing-candidate-buffers.md).
 inline constexpr std::int64_t kDeepBufferMaxTokens = 128;
@@ -1575,7 +1575,7 @@ __device__ __forceinline__ void sort_picks(int K, int sl, std::uint32_t& key, in
 //   exact rounds then redo only the last pick's bucket (and anything at or below a hidden bucket),
 //   after sort_picks, instead of restarting them from the first pick
 //   (docs/decisions/routing-packed-keys.md).
-//   (scripts/packed_topk_model.py fuzzes this, and checks the picks the exact rounds keep.)
+//   (tools/packed_topk_model.py fuzzes this, and checks the picks the exact rounds keep.)
 // - bucket_exact: every bucket holds one key (bf16 / fp16 logits without pre function or bias): only
 //   the dry-lane test remains and a pick's key comes from its bucket.
 // full_key(e): the key of expert e of the row; refill as for select_top_k (full keys); stripe(i, keys):
@@ -1607,7 +1607,7 @@ __device__ __forceinline__ void select_top_k_packed(int K, int sl, int lane4, st
   };
   read_buckets();
   if constexpr (kPackedRetry<Shape> && kStripes) {
-    // Packed retry (scripts/packed_topk_model.py models it): while a dry lane hides a bucket at or
+    // Packed retry (tools/packed_topk_model.py models it): while a dry lane hides a bucket at or
     // above the last pick's, the picks above every hidden bucket (the first r0) are all the candidates
     // with packed keys >= pick r0 - 1's; every lane refills its buffers from its candidates below
     // thr = that key, and rounds r0 .. K - 1 are redone. Rows still in doubt (no progress, or after

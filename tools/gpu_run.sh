@@ -1,21 +1,47 @@
 #!/usr/bin/env bash
-# Builds Switchyard on the lent GPU machine and runs the GPU tests, compute-sanitizer and the
-# benchmarks; everything lands in $OUT/results.tgz plus a summary on stdout.
-#   SRC=. STEPS=build,test,sanitize,bench,python COMMIT=<sha> bash scripts/gpu_run.sh
-# Give COMMIT as a literal sha taken on the machine that sends the tree: the lent machine's copy
-# of the repository can carry older git metadata than its files (session 8: a device build of
-# 0dc510f's tree read HEAD as 350cbbe), so `git rev-parse` there may name the wrong commit.
-# Steps: build, test (GPU + CPU ctest), python (pip install + pytest), pyfast (pytest on the
-# build step's extension, without a second compile of the kernels), cli (switchyard-bench after a
-# pip install), clifast (switchyard-bench on the build step's extension), bench, approx_ab (the
-# staged approximate selection's same-call A/B), sanitize, demo.
+# Builds Switchyard on a GPU machine and runs the GPU tests, compute-sanitizer and the benchmarks,
+# with a summary on stdout. The source tree is the checkout this script lives in.
+#   bash tools/gpu_run.sh [--steps LIST] [--commit SHA] [--archive FILE] WORK_DIR
+# WORK_DIR (created when missing) receives everything the run writes:
+#   WORK_DIR/build    the CMake build (Release, Ninja)
+#   WORK_DIR/results  logs, benchmark JSON and markdown tables
+#   WORK_DIR/pkg      python/switchyard plus the build's extension (steps pyfast, clifast)
+# --archive FILE packs WORK_DIR/results into FILE (.tgz), e.g. "$OUT/results.tgz" on a lent GPU
+# machine whose $OUT comes back. --commit SHA is stamped into the benchmark JSON: give it when
+# the machine's copy of the tree may carry older git metadata than its files, where `git
+# rev-parse` would name the wrong commit.
+# --steps (comma-separated; default build,test,sanitize,bench): build, test (GPU + CPU ctest),
+# python (pip install + pytest), pyfast (pytest on the build step's extension, without a second
+# compile of the kernels), cli (switchyard-bench after a pip install), clifast (switchyard-bench on
+# the build step's extension), bench, approx_ab (the staged approximate selection's same-call
+# A/B), sanitize, demo.
+# Tunables (environment): PYTHON_TIMEOUT, CLI_TIMEOUT, SANITIZE_TIMEOUT (seconds); SANITIZE_FILTER
+# or SAN_FILTER_<test binary> (gtest filters); TIME_BUDGET (seconds, skips later sanitizer runs);
+# AB_TOKENS, AB_CONFIGS (approx_ab points).
 set -uo pipefail
-SRC="$(cd "${SRC:-.}" && pwd)"
-STEPS="${STEPS:-build,test,sanitize,bench}"
-OUT="${OUT:-/tmp/sy_out}"
-RES=/tmp/sy_results
-B=/tmp/sy_build
-mkdir -p "$OUT" "$RES"
+usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
+SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+STEPS=build,test,sanitize,bench
+COMMIT=""
+ARCHIVE=""
+WORK=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --steps) STEPS="$2"; shift 2 ;;
+    --commit) COMMIT="$2"; shift 2 ;;
+    --archive) ARCHIVE="$2"; shift 2 ;;
+    -h | --help) usage 0 ;;
+    -*) echo "gpu_run.sh: unknown option $1" >&2; usage 2 >&2 ;;
+    *) [ -z "$WORK" ] || { echo "gpu_run.sh: one WORK_DIR only" >&2; usage 2 >&2; }; WORK="$1"; shift ;;
+  esac
+done
+[ -n "$WORK" ] || { echo "gpu_run.sh: WORK_DIR missing" >&2; usage 2 >&2; }
+mkdir -p "$WORK"
+WORK="$(cd "$WORK" && pwd)"
+B="$WORK/build"
+RES="$WORK/results"
+PKG="$WORK/pkg"
+mkdir -p "$RES"
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 export PATH="/usr/local/cuda/bin:$PATH"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$RES/gpu.txt" 2>&1
@@ -28,7 +54,7 @@ if has build; then
   if python3 -c "import nanobind" >/dev/null 2>&1; then
     py_opts=(-DSWITCHYARD_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
   fi
-  cmake -S "$SRC" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSWITCHYARD_GIT_COMMIT="${COMMIT:-}" "${py_opts[@]}" \
+  cmake -S "$SRC" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSWITCHYARD_GIT_COMMIT="$COMMIT" "${py_opts[@]}" \
     >"$RES/configure.log" 2>&1 || { tail -30 "$RES/configure.log"; }
   cmake --build "$B" -j "$(nproc)" >"$RES/build.log" 2>&1 || { grep -E "error|Error" "$RES/build.log" | head -40; }
   echo "build: $(( $(date +%s) - start )) s"
@@ -50,7 +76,7 @@ if has python; then
   (cd "$SRC" && timeout "${PYTHON_TIMEOUT:-300}" bash scripts/python_test >"$RES/python.log" 2>&1; echo "python rc=$? $(( $(date +%s) - start )) s"; tail -4 "$RES/python.log")
 fi
 
-# A copy of python/switchyard with the build step's _ext added, in /tmp/sy_pkg (for PYTHONPATH):
+# A copy of python/switchyard with the build step's _ext added, in $PKG (for PYTHONPATH):
 # the Python suite and switchyard-bench run on it without a pip install or a second compile of
 # the kernels. Fails (with a message) when the build step made no extension.
 build_tree_package() {
@@ -60,13 +86,13 @@ build_tree_package() {
     echo "$1: no _ext module in $B/python (the build step found no nanobind)"
     return 1
   fi
-  rm -rf /tmp/sy_pkg && mkdir -p /tmp/sy_pkg && cp -r "$SRC/python/switchyard" /tmp/sy_pkg/ && cp "$ext" /tmp/sy_pkg/switchyard/
+  rm -rf "$PKG" && mkdir -p "$PKG" && cp -r "$SRC/python/switchyard" "$PKG/" && cp "$ext" "$PKG/switchyard/"
 }
 
 if has pyfast; then
   start=$(date +%s)
   if build_tree_package pyfast; then
-    (cd "$SRC" && PYTHONPATH=/tmp/sy_pkg timeout "${PYTHON_TIMEOUT:-300}" python3 -m pytest tests/python -q -rs \
+    (cd "$SRC" && PYTHONPATH="$PKG" timeout "${PYTHON_TIMEOUT:-300}" python3 -m pytest tests/python -q -rs \
       >"$RES/python.log" 2>&1; echo "python (build-tree extension) rc=$? $(( $(date +%s) - start )) s"; tail -4 "$RES/python.log")
   fi
 fi
@@ -75,7 +101,7 @@ fi
 if has clifast; then
   start=$(date +%s)
   if build_tree_package clifast; then
-    (cd "$SRC" && PYTHONPATH=/tmp/sy_pkg SWITCHYARD_GIT_COMMIT="${COMMIT:-}" timeout "${CLI_TIMEOUT:-240}" \
+    (cd "$SRC" && PYTHONPATH="$PKG" SWITCHYARD_GIT_COMMIT="$COMMIT" timeout "${CLI_TIMEOUT:-240}" \
       python3 -m switchyard.bench --json "$RES/switchyard_bench.json" --plot "$RES/switchyard_bench.png" \
       >"$RES/switchyard_bench.md" 2>"$RES/switchyard_bench.err")
     echo "switchyard-bench (build-tree extension) rc=$? $(( $(date +%s) - start )) s"
@@ -85,7 +111,7 @@ fi
 
 if has cli; then
   start=$(date +%s)
-  (cd "$SRC" && SWITCHYARD_GIT_COMMIT="${COMMIT:-}" SY_BENCH_REINSTALL="${SY_BENCH_REINSTALL:-0}" timeout "${CLI_TIMEOUT:-240}" bash scripts/bench \
+  (cd "$SRC" && SWITCHYARD_GIT_COMMIT="$COMMIT" SY_BENCH_REINSTALL="${SY_BENCH_REINSTALL:-0}" timeout "${CLI_TIMEOUT:-240}" bash scripts/bench \
     --json "$RES/switchyard_bench.json" --plot "$RES/switchyard_bench.png" >"$RES/switchyard_bench.md" 2>"$RES/switchyard_bench.err")
   echo "switchyard-bench rc=$? $(( $(date +%s) - start )) s"; head -3 "$RES/switchyard_bench.md"; tail -3 "$RES/switchyard_bench.err"
 fi
@@ -113,7 +139,7 @@ if has approx_ab; then
     done
   done
   for form in default forced; do
-    python3 "$SRC/scripts/bench_ab.py" --a "$RES"/approx_ab_${form}_k0_r*.json --b "$RES"/approx_ab_${form}_k1_r*.json \
+    python3 "$SRC/tools/bench_ab.py" --a "$RES"/approx_ab_${form}_k0_r*.json --b "$RES"/approx_ab_${form}_k1_r*.json \
       --title "staged approximate selection ($form kernels): exact (A) against approximate (B)" \
       --md "$RES/approx_ab_$form.md" | tail -4
   done
@@ -146,4 +172,6 @@ if has demo; then
   "$B/bench/switchyard_demo" 2>&1 | tee "$RES/demo.log"
 fi
 
-tar -czf "$OUT/results.tgz" -C "$RES" .
+if [ -n "$ARCHIVE" ]; then
+  mkdir -p "$(dirname "$ARCHIVE")" && tar -czf "$ARCHIVE" -C "$RES" .
+fi

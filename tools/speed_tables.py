@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The README's speed tables from committed benchmark JSON (bench/results/), so that they are regenerated
 rather than retyped after a new full run:
-  python3 scripts/speed_tables.py --routing bench/results/bench_routing.json \\
+  python3 tools/speed_tables.py --routing bench/results/bench_routing.json \\
       --layout bench/results/bench_layout.json
 Routing: fp32 logits, every configuration of bench_routing, median us per call; '*' marks a point above
 its target (the issue's where it names one, else max(2 us, 1.3 x the HBM floor)). Layout: layout from ids

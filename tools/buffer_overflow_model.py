@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How often a routed row overflows the candidate buffers of src/cuda/routing/route_warp.cuh, the
-model behind kShapeTable's token bounds (session 17).
+model behind kShapeTable's token bounds.
 
 A whole-warp row (W = 32) gives lane l the experts e with (e / 4) % 32 == l, and each lane keeps
 its best D candidates. When one lane holds more than D of the row's K picks, the row leaves the
@@ -8,7 +8,7 @@ fast top-K pass for the exact rounds (~2700 cycles more on the H200). At small T
 is the call's time, so what matters is P(some row of T overflows) = 1 - (1 - p)^T. This draws
 rows like bench_routing's (logits N(0, 1), bias 0.1 N(0, 1)) for the presets' rules and prints p
 and that probability for D = 2, 3, 4.
-  python3 scripts/buffer_overflow_model.py [rows] [seed]
+  python3 tools/buffer_overflow_model.py [rows] [seed]
 """
 import math
 import random

@@ -8,14 +8,14 @@ counts up to 2048 with route_warp_wide's buffer depths. It fuzzes rows (near tie
 lane-heavy rows, group-limited rows, bf16 values, non-finite values) and asserts that whenever
 the check accepts the fast pass (sorted or not), its picks are the true top-K in (key desc,
 expert asc) order. It also reports how often the exact rounds run and how often the sort does.
-Since session 22 it models the packed retry of dry-lane doubts (route_warp, 2-4 stripes) and
-asserts that the picks the exact rounds keep are the true first picks; since session 23 the bucket
+It also models the packed retry of dry-lane doubts (route_warp, 2-4 stripes) and
+asserts that the picks the exact rounds keep are the true first picks, and the bucket
 rounds of rows whose only doubt is a collision in the last pick's bucket (route_warp's whole-warp
 rows), whose picks it asserts are the true top-K.
 
 This checks the algorithm, not the CUDA code (the GPU tests compare the kernels with the CPU
 oracle); run it after changing the check:
-  python3 scripts/packed_topk_model.py [seed] [rows]
+  python3 tools/packed_topk_model.py [seed] [rows]
 """
 import random
 import struct

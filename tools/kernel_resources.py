@@ -6,9 +6,9 @@ asking (sessions 24-25: 13-105 kernels at a time), and some of those builds were
 at large T. This check makes such a change visible in review: the build's per-kernel resources
 (cuobjdump -res-usage of the CUDA objects) must equal tests/kernel_resources.txt.
 
-  python3 scripts/kernel_resources.py dump  BUILD_DIR > tests/kernel_resources.txt   # after a
+  python3 tools/kernel_resources.py dump  BUILD_DIR > tests/kernel_resources.txt   # after a
                                                           # deliberate kernel change
-  python3 scripts/kernel_resources.py check BUILD_DIR tests/kernel_resources.txt      # CI
+  python3 tools/kernel_resources.py check BUILD_DIR tests/kernel_resources.txt      # CI
 
 cuobjdump comes with the CUDA toolkit; where it is missing (this repository's dev machine), the
 PyPI wheel nvidia-cuda-cuobjdump provides it (pass --cuobjdump PATH, or put it on PATH). Exit
@@ -108,7 +108,7 @@ def main():
     for k in removed:
         print(f"  gone    {k} {want[k]}")
     print(f"  ({len(changed)} changed, {len(added)} new, {len(removed)} gone.) If the change is meant, measure it"
-          f" and rewrite the list: python3 scripts/kernel_resources.py dump {args.build_dir} > {args.baseline}")
+          f" and rewrite the list: python3 tools/kernel_resources.py dump {args.build_dir} > {args.baseline}")
     return 1
 
 

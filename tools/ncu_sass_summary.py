@@ -4,17 +4,17 @@ issue-bound kernel spends its instructions.
 
 Produce the CSV on the GPU machine, e.g. for the routing kernel at T = 65536:
   SY_BENCH_TOKENS=65536 ncu --clock-control none --set full -k regex:route_kernel -c 1 \\
-      -o /tmp/r bench_routing /tmp/x.json softmax-e256
-  ncu --import /tmp/r.ncu-rep --page source --csv --print-source sass > src.csv
+      -o r BUILD_DIR/bench/bench_routing x.json softmax-e256
+  ncu --import r.ncu-rep --page source --csv --print-source sass > src.csv
 then here:
-  python3 scripts/ncu_sass_summary.py src.csv --per 65536           # opcode totals per row
-  python3 scripts/ncu_sass_summary.py src.csv --per 65536 --lines   # every executed instruction
+  python3 tools/ncu_sass_summary.py src.csv --per 65536           # opcode totals per row
+  python3 tools/ncu_sass_summary.py src.csv --per 65536 --lines   # every executed instruction
 With `--print-source cuda,sass` (SASS under each CUDA source line; the kernel built with -lineinfo, as
 src/CMakeLists.txt does), --source attributes the instructions to source lines instead, and
 --functions also sums them per enclosing function of the named source files (a function starts at a
 line that begins with `__device__`, `__host__`, `__global__`, `template` or `inline`; FILE=NAME reads
 FILE as the source of the profiled file NAME, e.g. an older version of it):
-  python3 scripts/ncu_sass_summary.py src.csv --per 65536 --source --functions src/cuda/routing/route_warp.cuh
+  python3 tools/ncu_sass_summary.py src.csv --per 65536 --source --functions src/cuda/routing/route_warp.cuh
 """
 import argparse
 import bisect

@@ -2,7 +2,7 @@
 """Same-call A/B of two bench_routing / bench_layout JSON sets: the median of each point over the
 runs of A and of B, the ratio B/A per point, its geometric mean, and the points that meet their
 target on each side.
-  python3 scripts/bench_ab.py --a a1.json a2.json --b b1.json b2.json [--title T] [--md out.md]
+  python3 tools/bench_ab.py --a a1.json a2.json --b b1.json b2.json [--title T] [--md out.md]
 """
 import argparse
 import json

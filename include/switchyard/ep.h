@@ -1,16 +1,16 @@
-// Expert parallelism (DESIGN.md section 6): dispatch tokens to the ranks that own their experts
-// and combine the expert outputs back.
+// Expert parallelism (docs/design.md section 6): dispatch tokens to the ranks that own their
+// experts and combine the expert outputs back.
 //
-// This header is the contract, and CpuGroup its reference implementation: R ranks simulated by
-// R threads of one process, each rank reading its peers' posted buffers directly (as a GPU rank
-// will read its NVLink peers' memory), with the same outputs, ordering, arithmetic and failure
-// behaviour the GPU transport will have. It is the oracle the GPU kernels will be tested
-// against, and lets engines develop against the API without several GPUs.
+// This header is the contract. CpuGroup is its reference implementation: R ranks simulated by
+// R threads of one process, each rank reading its peers' posted buffers directly. GpuGroup is the
+// GPU transport (one-sided pushes over NVLink or within one GPU); for the same inputs its outputs
+// are CpuGroup's, bit for bit.
 //
 // Experts are placed in contiguous blocks: rank r owns global experts [r*L, (r+1)*L), L = E/R,
 // and its local expert l is global expert r*L + l.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,6 +33,9 @@ struct GroupConfig {
                                     // ceil(H/128) (per 128-column group); fp8 rows only
   int tile_size = 1;                // M >= 1 of the expert-major layout
   double timeout_seconds = 30.0;    // bound of every wait for a peer, > 0
+  DType partial_dtype = DType::kFloat32;  // combine: dtype of the per-rank partial sums sent back
+                                          // to the source: fp32 (exact) or bf16 (half the bytes;
+                                          // each partial is rounded to bf16, then summed in fp32)
 
   int experts_per_rank() const { return num_ranks > 0 ? num_experts / num_ranks : 0; }
 };
@@ -86,7 +89,14 @@ struct DispatchOutputs {
   Layout layout;            // arrays sized by max_permuted_rows / max_tiles(N, K, L, M)
   TensorView expert_x;      // [P,H] config.dtype
   TensorView expert_scales; // [P, scale_cols] fp32; present iff scale_cols > 0
+  // GpuGroup only (CpuGroup ignores it): device memory the handle lives in, [handle_bytes] uint8,
+  // 16-byte aligned, on the group's device. Written by dispatch, read by every combine and reuse
+  // of the handle: keep it intact while the handle is used.
+  TensorView handle_memory;
 };
+
+// Bytes of DispatchOutputs::handle_memory a GpuGroup dispatch needs.
+std::int64_t handle_bytes(const GroupConfig& config);
 
 // What combine needs from a dispatch: who sent which token where. Filled by dispatch; shared
 // by the ranks' handles of one dispatch. A handle is valid until the group is destroyed.
@@ -153,6 +163,107 @@ class CpuGroup {
 
  private:
   explicit CpuGroup(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// Options of a GpuGroup beyond the shared configuration.
+struct GpuOptions {
+  // true (worst-case mode, for decode and CUDA graphs): every count stays on the device; a call
+  // never waits for the host. false (exact mode, for prefill and training): dispatch also
+  // publishes the received row count to mapped pinned memory, read by received_rows().
+  bool worst_case = true;
+  // Blocks of each rank's transport kernels (dispatch and combine): the SMs they take from
+  // overlapping work. 0: 24, or fewer when a loopback group's R ranks must share one GPU.
+  int num_sms = 0;
+  // Loopback only: the device's hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set
+  // before CUDA starts). Each rank's stream needs its own queue, so R may not exceed it.
+  int hardware_queues = 8;
+};
+
+// All-gather of bytes over the caller's process group (torch.distributed, MPI, a socket...):
+// every rank passes `bytes` bytes in `send`, and `recv` receives R * bytes, rank r's at r * bytes.
+using AllGather = std::function<Status(const void* send, std::size_t bytes, void* recv)>;
+
+// The GPU transport (docs/design.md section 6). Each rank owns a region of region_bytes() in
+// its GPU's memory, allocated at creation, which its peers write with one-sided stores: dispatch
+// pushes each token once to every rank owning one of its experts, into a slot fixed by a prefix
+// over the source's tokens (no atomics, no count exchange before the data), and publishes a
+// per-(source, destination) header after the rows; combine pushes one partial row per (token,
+// rank) back into the source's region, which sums them in rank order. Epoch counters on the
+// device replace clean-up kernels; per-peer acknowledgements keep a fast rank's next call from
+// overwriting slots a slow peer still reads, so back-to-back calls need no host synchronization.
+//
+// Calls are enqueue-only: they check their own arguments, enqueue kernels on `stream` and
+// return. They allocate nothing and never synchronize with the host (exact mode's
+// received_rows() excepted), so a whole dispatch -> experts -> combine step can be captured in a
+// CUDA graph and replayed. Every collective call must be made by each rank, in the same order.
+//
+// Errors. A rank whose own arguments are bad returns InvalidArgument naming the argument, and
+// tells its peers through its headers instead of sending rows; no rank writes its outputs, and
+// every rank's check() then returns InvalidArgument naming that rank. A peer that does not
+// arrive within config.timeout_seconds makes the waiting kernels stop (no trap, no hang) and
+// check() return kTimeout naming the step and the rank. After either, the group refuses every
+// call on that rank (rebuild it): the peers' kernels may have stopped anywhere.
+//
+// Memory ordering: rows, scales and metadata are plain stores; each block then executes a
+// system-scope fence (fence.sc.sys) before it counts itself done, and the last block to finish
+// publishes each header with a system-scope release store. Receivers read headers with
+// system-scope acquire loads, then a block barrier, and read the rows with L1-bypassing loads.
+// The same release/acquire pairs carry the acknowledgements and the combine partials. A single
+// GPU cannot show a missing system-scope fence (its writes all go through one L2): these
+// orderings are argued from the PTX memory model, not shown by the loopback tests.
+class GpuGroup {
+ public:
+  // R ranks simulated in this process on CUDA device `device`: region, kernels and protocol of
+  // the real transport, for tests and for engine development without several GPUs. Each rank's
+  // calls go on a stream of its own (two ranks' calls on one stream are refused), and the R
+  // ranks' kernels must be resident together: creation refuses R above options.hardware_queues
+  // or R x num_sms blocks that do not fit the device at the kernels' occupancy.
+  static Status create_loopback(const GroupConfig& config, const GpuOptions& options, int device,
+                                std::unique_ptr<GpuGroup>* group);
+  // Rank `rank` of R processes, each on its own GPU (the current device), the regions mapped
+  // through CUDA IPC handles exchanged with `all_gather`. Every rank must call it with the same
+  // configuration (checked: a mismatch fails on every rank, naming the field and the ranks).
+  static Status create_ipc(const GroupConfig& config, const GpuOptions& options, int rank,
+                           const AllGather& all_gather, std::unique_ptr<GpuGroup>* group);
+  ~GpuGroup();
+  GpuGroup(const GpuGroup&) = delete;
+  GpuGroup& operator=(const GpuGroup&) = delete;
+
+  const GroupConfig& config() const;
+  const GpuOptions& options() const;
+  // Ranks this process drives: all R of a loopback group, one of an IPC group.
+  bool is_local(int rank) const;
+
+  // Dispatch: CpuGroup::dispatch's contract, with device tensors on the group's device and
+  // out.handle_memory present. Rows >= the received count are untouched, as on the CPU; the
+  // count is stats[kRecvRows] on the device (and received_rows() in exact mode). With `reuse`,
+  // the handle must come from an earlier dispatch of this group with the same routing (not
+  // checked on the GPU: the caller vouches for it); the per-token destinations are not derived
+  // again.
+  Status dispatch(int rank, const DispatchInputs& in, const DispatchOutputs& out, Handle* handle,
+                  bool reuse = false, Stream stream = nullptr);
+
+  // Exact mode: the rows rank `rank` received in its latest dispatch. Waits (at most the
+  // group's timeout) until the count is published, which happens once every peer's rows have
+  // arrived, before they are copied out: call it after every rank's dispatch is enqueued.
+  Status received_rows(int rank, std::int64_t* rows);
+
+  // Combine: CpuGroup::combine's contract (out on the group's device, contiguous).
+  Status combine(int rank, const Handle& handle, const CombineInputs& in, const TensorView& out,
+                 bool accumulate = false, Stream stream = nullptr);
+
+  // The error the device reported for rank `rank` so far (kTimeout, InvalidArgument), or Ok.
+  // Reads mapped host memory: no synchronization, so it sees what kernels have already written.
+  Status check(int rank) const;
+
+  // Bytes of the region each rank allocates.
+  static std::int64_t region_bytes(const GroupConfig& config);
+
+  struct State;  // implementation detail
+
+ private:
+  explicit GpuGroup(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
 };
 

@@ -125,6 +125,8 @@ class CapturedGraph {
     if (err != cudaSuccess) return err;
     return cudaGraphInstantiate(&exec_, graph_, 0);
   }
+  // Launches the graph on stream() without waiting.
+  cudaError_t launch() { return cudaGraphLaunch(exec_, stream_); }
   // Launches the graph on stream() and waits for it.
   cudaError_t replay() {
     const cudaError_t err = cudaGraphLaunch(exec_, stream_);

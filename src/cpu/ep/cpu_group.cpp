@@ -1,4 +1,4 @@
-// Expert parallelism, CPU reference (include/switchyard/ep.h; DESIGN.md section 6).
+// Expert parallelism, CPU reference (include/switchyard/ep.h; docs/design.md section 6).
 //
 // R ranks are R threads of one process sharing a State. A collective call is a sequence of
 // steps separated by barriers (each wait bounded by the group's timeout):
@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "api/ep_checks.h"
+#include "common/ep_memory.h"
 #include "common/numeric.h"
 #include "common/validate.h"
 #include "switchyard/ep.h"
@@ -30,69 +32,15 @@
 
 namespace switchyard::ep {
 
-using detail::ArgChecker;
-using detail::Contiguity;
-using detail::kAnySize;
+using switchyard::detail::ArgChecker;
+using switchyard::detail::Contiguity;
+using switchyard::detail::kAnySize;
 
 // ---------------------------------------------------------------------------------------------
 // Configuration.
 
-Status validate(const GroupConfig& c) {
-  auto bad = [&](const char* field, const std::string& what) {
-    return Status::InvalidArgument(std::string("ep group: config.") + field + " " + what);
-  };
-  if (c.num_ranks < 1) return bad("num_ranks", "= " + std::to_string(c.num_ranks) + ", must be >= 1");
-  if (c.num_experts < 1 || c.num_experts % c.num_ranks != 0) {
-    return bad("num_experts", "= " + std::to_string(c.num_experts) + ", must be a positive multiple of num_ranks = " +
-                                  std::to_string(c.num_ranks));
-  }
-  if (c.top_k < 1 || c.top_k > c.num_experts) {
-    return bad("top_k", "= " + std::to_string(c.top_k) + ", must be in [1, num_experts = " +
-                            std::to_string(c.num_experts) + "]");
-  }
-  if (c.max_tokens < 1 || c.max_tokens > (std::int64_t{1} << 31) / c.num_ranks / c.top_k) {
-    return bad("max_tokens", "= " + std::to_string(c.max_tokens) + ", must be >= 1 with num_ranks * max_tokens * " +
-                                 "top_k below 2^31");
-  }
-  if (c.hidden < 1) return bad("hidden", "= " + std::to_string(c.hidden) + ", must be >= 1");
-  if (c.dtype != DType::kBFloat16 && c.dtype != DType::kFloat16 && c.dtype != DType::kFloat32 &&
-      c.dtype != DType::kFloat8E4M3) {
-    return bad("dtype", std::string("= ") + dtype_name(c.dtype) + ", must be bf16, fp16, fp32 or fp8_e4m3");
-  }
-  const std::int64_t groups = (c.hidden + kScaleGroupSize - 1) / kScaleGroupSize;
-  if (c.scale_cols != 0 && (c.dtype != DType::kFloat8E4M3 || (c.scale_cols != 1 && c.scale_cols != groups))) {
-    return bad("scale_cols", "= " + std::to_string(c.scale_cols) + ", must be 0, or 1 or " + std::to_string(groups) +
-                                 " (per 128-column group) with fp8_e4m3 rows");
-  }
-  if (c.tile_size < 1) return bad("tile_size", "= " + std::to_string(c.tile_size) + ", must be >= 1");
-  if (!(c.timeout_seconds > 0)) return bad("timeout_seconds", "must be > 0");
-  return Status::Ok();
-}
-
-std::int64_t max_recv_rows(const GroupConfig& c) { return static_cast<std::int64_t>(c.num_ranks) * c.max_tokens; }
-
-std::int64_t max_expert_rows(const GroupConfig& c) {
-  return max_permuted_rows(max_recv_rows(c), c.top_k, c.experts_per_rank(), c.tile_size);
-}
-
 // ---------------------------------------------------------------------------------------------
-// Plan (what a Handle holds) and shared state.
-
-struct Handle::Plan {
-  const void* group = nullptr;  // the State it belongs to
-  struct Rank {
-    bool expert_major = false;             // this rank's dispatch wrote the expert-major output
-    std::int64_t tokens = 0;               // T of this rank as source
-    std::vector<std::int64_t> ids;         // its [T,K] input ids (checked on reuse)
-    std::vector<std::int32_t> dest_row;    // [T,R]: row of token t at rank d, or -1
-    std::vector<std::int32_t> src_rank;    // received rows' sources, as destination
-    std::vector<std::int32_t> src_token;
-    std::vector<std::int32_t> local_ids;   // [rows,K] received local ids
-    std::vector<float> weights;            // [rows,K] received weights
-    std::vector<std::int32_t> expanded_to_permuted;  // [rows,K] of the expert-major layout
-  };
-  std::vector<Rank> ranks;
-};
+// Handle and shared state.
 
 Handle::Handle() = default;
 Handle::~Handle() = default;
@@ -222,76 +170,12 @@ std::string CpuGroup::broken_reason() const {
 namespace {
 
 // The rank owning global expert e (contiguous blocks of L experts), or -1 for ids outside [0, E).
-int owner_of(std::int64_t e, std::int64_t E, int L) { return (e >= 0 && e < E) ? static_cast<int>(e / L) : -1; }
-
-Status check_rank(const char* op, int rank, int num_ranks) {
-  if (rank >= 0 && rank < num_ranks) return Status::Ok();
-  return Status::InvalidArgument(std::string(op) + ": argument 'rank' = " + std::to_string(rank) +
-                                 ", must be in [0, " + std::to_string(num_ranks) + ")");
-}
-
 std::int64_t load_id(const TensorView& ids, std::int64_t i) {
   return ids.dtype == DType::kInt64 ? static_cast<const std::int64_t*>(ids.data)[i]
                                     : static_cast<const std::int32_t*>(ids.data)[i];
 }
 
-// Checks one rank's dispatch arguments (message without the op prefix when `check` adds it).
-Status check_dispatch(const GroupConfig& c, const ArgChecker& check, const DispatchInputs& in,
-                      const DispatchOutputs& out) {
-  const Device cpu = Device::cpu();
-  const std::int64_t H = c.hidden;
-  const int K = c.top_k;
-  const int L = c.experts_per_rank();
-  SY_RETURN_IF_ERROR(check.tensor(in.x, "in.x", {c.dtype}, {kAnySize, H}, cpu, Contiguity::kRowStrided));
-  const std::int64_t T = in.x.shape[0];
-  if (T > c.max_tokens) {
-    return check.fail_arg("in.x", "has " + std::to_string(T) + " rows, more than max_tokens = " +
-                                      std::to_string(c.max_tokens));
-  }
-  if (c.scale_cols > 0) {
-    SY_RETURN_IF_ERROR(check.tensor(in.scales, "in.scales", {DType::kFloat32}, {T, c.scale_cols}, cpu));
-  } else if (!in.scales.absent()) {
-    return check.fail_arg("in.scales", "given, but the group moves no scales (config.scale_cols = 0)");
-  }
-  SY_RETURN_IF_ERROR(check.tensor(in.topk_ids, "in.topk_ids", {DType::kInt32, DType::kInt64}, {T, K}, cpu));
-  SY_RETURN_IF_ERROR(check.tensor(in.topk_weights, "in.topk_weights", {DType::kFloat32}, {T, K}, cpu));
-
-  const std::int64_t N = max_recv_rows(c);
-  SY_RETURN_IF_ERROR(check.tensor(out.x, "out.x", {c.dtype}, {N, H}, cpu));
-  if (c.scale_cols > 0) {
-    SY_RETURN_IF_ERROR(check.tensor(out.scales, "out.scales", {DType::kFloat32}, {N, c.scale_cols}, cpu));
-  }
-  SY_RETURN_IF_ERROR(check.tensor(out.src_rank, "out.src_rank", {DType::kInt32}, {N}, cpu));
-  SY_RETURN_IF_ERROR(check.tensor(out.src_token, "out.src_token", {DType::kInt32}, {N}, cpu));
-  SY_RETURN_IF_ERROR(check.tensor(out.topk_ids, "out.topk_ids", {DType::kInt32}, {N, K}, cpu));
-  SY_RETURN_IF_ERROR(check.tensor(out.topk_weights, "out.topk_weights", {DType::kFloat32}, {N, K}, cpu));
-  SY_RETURN_IF_ERROR(check.tensor(out.stats, "out.stats", {DType::kInt64}, {kNumStats}, cpu));
-  if (out.expert_x.absent()) return Status::Ok();
-
-  const std::int64_t P = max_expert_rows(c);
-  const std::int64_t tiles = max_tiles(N, K, L, c.tile_size);
-  const Layout& l = out.layout;
-  SY_RETURN_IF_ERROR(check.int32_array(l.counts, "out.layout.counts", L, cpu));
-  SY_RETURN_IF_ERROR(check.int32_array(l.offsets, "out.layout.offsets", L + 1, cpu));
-  SY_RETURN_IF_ERROR(check.int32_array(l.permuted_to_expanded, "out.layout.permuted_to_expanded", P, cpu));
-  SY_RETURN_IF_ERROR(check.int32_array(l.permuted_to_token, "out.layout.permuted_to_token", P, cpu));
-  SY_RETURN_IF_ERROR(check.tensor(l.expanded_to_permuted, "out.layout.expanded_to_permuted", {DType::kInt32},
-                                  {N, K}, cpu));
-  SY_RETURN_IF_ERROR(check.int32_array(l.tile_expert, "out.layout.tile_expert", tiles, cpu));
-  SY_RETURN_IF_ERROR(check.int32_array(l.tile_row_end, "out.layout.tile_row_end", tiles, cpu));
-  SY_RETURN_IF_ERROR(check.int32_array(l.totals, "out.layout.totals", kNumTotals, cpu));
-  if (l.permuted_to_token.shape[0] != P) {
-    return check.fail_arg("out.layout.permuted_to_token",
-                          "has " + std::to_string(l.permuted_to_token.shape[0]) +
-                              " rows; expected exactly max_expert_rows = " + std::to_string(P));
-  }
-  SY_RETURN_IF_ERROR(check.tensor(out.expert_x, "out.expert_x", {c.dtype}, {P, H}, cpu));
-  if (c.scale_cols > 0) {
-    SY_RETURN_IF_ERROR(
-        check.tensor(out.expert_scales, "out.expert_scales", {DType::kFloat32}, {P, c.scale_cols}, cpu));
-  }
-  return Status::Ok();
-}
+int owner_of(std::int64_t e, std::int64_t E, int L) { return (e >= 0 && e < E) ? static_cast<int>(e / L) : -1; }
 
 // A view of the first `rows` rows of a contiguous 2-D (or 1-D) view.
 TensorView first_rows(const TensorView& t, std::int64_t rows) {
@@ -306,7 +190,7 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
                           bool reuse) {
   State& s = *state_;
   const GroupConfig& c = s.config;
-  SY_RETURN_IF_ERROR(check_rank("ep dispatch", rank, c.num_ranks));
+  SY_RETURN_IF_ERROR(detail::check_rank("ep dispatch", rank, c.num_ranks));
   if (handle == nullptr) return Status::InvalidArgument("ep dispatch: argument 'handle' is null");
   const int R = c.num_ranks;
   const int K = c.top_k;
@@ -316,7 +200,7 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
   // 1. Check the own arguments, count what goes where, post.
   const std::string op = "ep dispatch (rank " + std::to_string(rank) + ")";
   const ArgChecker check(op.c_str());
-  Status own = check_dispatch(c, check, in, out);
+  Status own = detail::check_dispatch(c, check, in, out, Device::cpu());
   std::vector<std::int64_t> send(R, 0);
   std::vector<std::int64_t> ids;
   std::vector<char> goes;  // [T,R]: token t goes to rank d (read by the peers, as destinations)
@@ -476,9 +360,9 @@ namespace {
 float load_value(const void* base, DType dtype, std::int64_t i) {
   switch (dtype) {
     case DType::kBFloat16:
-      return detail::bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+      return switchyard::detail::bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
     case DType::kFloat16:
-      return detail::fp16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+      return switchyard::detail::fp16_to_float(static_cast<const std::uint16_t*>(base)[i]);
     default:
       return static_cast<const float*>(base)[i];
   }
@@ -487,10 +371,10 @@ float load_value(const void* base, DType dtype, std::int64_t i) {
 void store_value(void* base, DType dtype, std::int64_t i, float v) {
   switch (dtype) {
     case DType::kBFloat16:
-      static_cast<std::uint16_t*>(base)[i] = detail::float_to_bf16(v);
+      static_cast<std::uint16_t*>(base)[i] = switchyard::detail::float_to_bf16(v);
       break;
     case DType::kFloat16:
-      static_cast<std::uint16_t*>(base)[i] = detail::float_to_fp16(v);
+      static_cast<std::uint16_t*>(base)[i] = switchyard::detail::float_to_fp16(v);
       break;
     default:
       static_cast<float*>(base)[i] = v;
@@ -503,7 +387,7 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
                          bool accumulate) {
   State& s = *state_;
   const GroupConfig& c = s.config;
-  SY_RETURN_IF_ERROR(check_rank("ep combine", rank, c.num_ranks));
+  SY_RETURN_IF_ERROR(detail::check_rank("ep combine", rank, c.num_ranks));
   const int R = c.num_ranks;
   const int K = c.top_k;
   const std::int64_t H = c.hidden;
@@ -560,6 +444,9 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
       }
     } else {
       for (std::int64_t h = 0; h < H; ++h) acc[h] = load_value(in.y.data, in.y.dtype, i * y_stride + h);
+    }
+    if (c.partial_dtype == DType::kBFloat16) {
+      for (std::int64_t h = 0; h < H; ++h) acc[h] = switchyard::detail::bf16_to_float(switchyard::detail::float_to_bf16(acc[h]));
     }
   }
   SY_RETURN_IF_ERROR(s.barrier(rank, "combine: partials written"));

@@ -2,7 +2,7 @@
 """Registers, stack and shared memory of every CUDA kernel, against a committed list.
 
 Small code changes moved the routing kernels' register counts and scheduling without anyone
-asking (sessions 24-25: 13-105 kernels at a time), and some of those builds were up to 12% slower
+asking (13-105 kernels at a time), and some of those builds were up to 12% slower
 at large T. This check makes such a change visible in review: the build's per-kernel resources
 (cuobjdump -res-usage of the CUDA objects) must equal tests/kernel_resources.txt.
 

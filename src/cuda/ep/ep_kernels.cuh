@@ -149,14 +149,15 @@ __device__ __forceinline__ unsigned long long* flag_at(char* base, std::int64_t 
 }
 
 // The last block of a grid to call it gets true. Every thread of the block calls it after its
-// own stores: each fences at system scope (the stores are ordered before the count), and the
-// last block's thread 0 fences again after the count (fence-fence synchronization with every
-// other block's fence), so its following release stores carry all blocks' writes.
+// own stores. The block barrier orders them before thread 0's system-scope fence, which orders
+// them before the count (the pattern of cooperative groups' grid sync); the last block's thread
+// 0 fences again after the count (fence-fence synchronization with every other block's fence),
+// so its following release stores carry all blocks' writes.
 __device__ __forceinline__ bool last_block_done(unsigned* counter) {
-  __threadfence_system();
   __syncthreads();
   __shared__ bool last;
   if (threadIdx.x == 0) {
+    __threadfence_system();
     const unsigned prev = atomicAdd(counter, 1u);
     last = prev == gridDim.x - 1;
     if (last) {

@@ -148,6 +148,19 @@ __device__ __forceinline__ unsigned long long* flag_at(char* base, std::int64_t 
   return reinterpret_cast<unsigned long long*>(base + offset) + index;
 }
 
+// Threads 0..R-1 wait until peer i's acknowledgement at own[offset][i] reaches epoch e - 1 (it
+// has finished with what this rank wrote at the previous epoch); a timeout is recorded as `step`.
+__device__ __forceinline__ void wait_acks(const Ctx& c, int R, std::int64_t offset, unsigned e, unsigned step) {
+  if (threadIdx.x < static_cast<unsigned>(R)) {
+    const int peer = threadIdx.x;
+    unsigned long long v;
+    const bool ok = wait_for(c, flag_at(c.peers[c.rank], offset, peer),
+                             [&](unsigned long long a) { return a >= e - 1u; }, &v);
+    if (!ok && !is_broken(c)) record_error(c, 5u /* kTimeout */, step, peer);
+  }
+  __syncthreads();
+}
+
 // The last block of a grid to call it gets true. Every thread of the block calls it after its
 // own stores. The block barrier orders them before thread 0's system-scope fence, which orders
 // them before the count (the pattern of cooperative groups' grid sync); the last block's thread
@@ -325,15 +338,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(SendParams p) {
   const Shape& s = p.s;
   const int R = s.R, K = s.K, L = s.L;
   const unsigned e = c.local->dispatch_epoch + 1u;
-  char* own = c.peers[c.rank];
-  if (threadIdx.x < static_cast<unsigned>(R)) {
-    const int d = threadIdx.x;
-    unsigned long long v;
-    const bool ok = wait_for(c, flag_at(own, s.region.dispatch_ack, d),
-                             [&](unsigned long long a) { return a >= e - 1u; }, &v);
-    if (!ok && !is_broken(c)) record_error(c, 5u /* kTimeout */, kStepDispatchSlots, d);
-  }
-  __syncthreads();
+  wait_acks(c, R, s.region.dispatch_ack, e, kStepDispatchSlots);
   if (!p.bad && !is_broken(c)) {
     const int lane = threadIdx.x & 31;
     const int warp_id = blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -734,15 +739,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(CombineSendParam
   const Shape& s = p.s;
   const int R = s.R, K = s.K;
   const unsigned e = c.local->combine_epoch + 1u;
-  char* own = c.peers[c.rank];
-  if (threadIdx.x < static_cast<unsigned>(R)) {
-    const int src = threadIdx.x;
-    unsigned long long v;
-    const bool ok = wait_for(c, flag_at(own, s.region.combine_ack, src),
-                             [&](unsigned long long a) { return a >= e - 1u; }, &v);
-    if (!ok && !is_broken(c)) record_error(c, 5u /* kTimeout */, kStepCombineSlots, src);
-  }
-  __syncthreads();
+  wait_acks(c, R, s.region.combine_ack, e, kStepCombineSlots);
   unsigned handle_epoch = 0;
   if (!p.bad && !is_broken(c)) {
     const long long* hdr = reinterpret_cast<const long long*>(p.handle + s.handle.header);

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "api/ep_checks.h"
@@ -722,14 +723,18 @@ Status GpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
   }
   const DType y_dtype = bad ? DType::kFloat32 : in.y.dtype;
   const DType out_dtype = bad ? DType::kFloat32 : out.dtype;
+  // The partial dtype and the vector width as template arguments of `kernel_for`'s kernel.
+  auto launch_typed = [&](auto kernel_for, const auto& params, const char* name) {
+    auto go = [&](auto pv) {
+      return vec8 ? launch(kernel_for(pv, std::integral_constant<int, 8>{}), s.blocks, gpu::kThreads, params, stream, name)
+                  : launch(kernel_for(pv, std::integral_constant<int, 1>{}), s.blocks, gpu::kThreads, params, stream, name);
+    };
+    return c.partial_dtype == DType::kBFloat16 ? go(__nv_bfloat16{}) : go(0.0f);
+  };
   SY_RETURN_IF_ERROR(with_float_type(y_dtype, [&](auto yv) {
     using Y = decltype(yv);
-    if (c.partial_dtype == DType::kBFloat16) {
-      return vec8 ? launch(gpu::combine_send_kernel<Y, __nv_bfloat16, 8>, s.blocks, gpu::kThreads, sp, stream, "combine_send")
-                  : launch(gpu::combine_send_kernel<Y, __nv_bfloat16, 1>, s.blocks, gpu::kThreads, sp, stream, "combine_send");
-    }
-    return vec8 ? launch(gpu::combine_send_kernel<Y, float, 8>, s.blocks, gpu::kThreads, sp, stream, "combine_send")
-                : launch(gpu::combine_send_kernel<Y, float, 1>, s.blocks, gpu::kThreads, sp, stream, "combine_send");
+    return launch_typed([](auto pv, auto vec) { return gpu::combine_send_kernel<Y, decltype(pv), decltype(vec)::value>; },
+                        sp, "combine_send");
   }));
 
   gpu::CombineReceiveParams rp;
@@ -744,12 +749,8 @@ Status GpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
   }
   SY_RETURN_IF_ERROR(with_float_type(out_dtype, [&](auto ov) {
     using O = decltype(ov);
-    if (c.partial_dtype == DType::kBFloat16) {
-      return vec8 ? launch(gpu::combine_receive_kernel<__nv_bfloat16, O, 8>, s.blocks, gpu::kThreads, rp, stream, "combine_receive")
-                  : launch(gpu::combine_receive_kernel<__nv_bfloat16, O, 1>, s.blocks, gpu::kThreads, rp, stream, "combine_receive");
-    }
-    return vec8 ? launch(gpu::combine_receive_kernel<float, O, 8>, s.blocks, gpu::kThreads, rp, stream, "combine_receive")
-                : launch(gpu::combine_receive_kernel<float, O, 1>, s.blocks, gpu::kThreads, rp, stream, "combine_receive");
+    return launch_typed([](auto pv, auto vec) { return gpu::combine_receive_kernel<decltype(pv), O, decltype(vec)::value>; },
+                        rp, "combine_receive");
   }));
   return own;
 }

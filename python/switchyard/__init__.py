@@ -28,8 +28,11 @@ from ._core import (DROPPED, MAX_GPU_EXPERTS, MAX_GPU_TOP_K, NUM_TILES, PADDED_T
 __version__ = version()
 
 if _TORCH_IMPORT_ERROR is None:
+    from . import losses
+    from .losses import (load_balancing_loss, router_probs, sequence_load_balancing_loss, tokens_per_expert,
+                         update_expert_bias, z_loss)
     from .ops import (Layout, combine, empty_layout, empty_workspace, gather, layout, route,
-                      route_and_layout)
+                      route_and_layout, route_weights)
 else:
 
     def _needs_torch(name: str):
@@ -47,6 +50,13 @@ else:
     combine = _needs_torch("combine")
     empty_layout = _needs_torch("empty_layout")
     empty_workspace = _needs_torch("empty_workspace")
+    route_weights = _needs_torch("route_weights")
+    tokens_per_expert = _needs_torch("tokens_per_expert")
+    router_probs = _needs_torch("router_probs")
+    load_balancing_loss = _needs_torch("load_balancing_loss")
+    sequence_load_balancing_loss = _needs_torch("sequence_load_balancing_loss")
+    z_loss = _needs_torch("z_loss")
+    update_expert_bias = _needs_torch("update_expert_bias")
 
 
 def has_torch() -> bool:
@@ -62,6 +72,13 @@ __all__ = [
     "combine",
     "empty_layout",
     "empty_workspace",
+    "route_weights",
+    "tokens_per_expert",
+    "router_probs",
+    "load_balancing_loss",
+    "sequence_load_balancing_loss",
+    "z_loss",
+    "update_expert_bias",
     "presets",
     "RoutingConfig",
     "ModelPreset",

@@ -12,6 +12,8 @@ Ops (all run on CPU or CUDA tensors, on the current CUDA stream of the tensors' 
     switchyard::route_out, layout_out, route_and_layout_out, gather_out, combine_out
   functional forms, with fake (meta) implementations for torch.compile:
     switchyard::route, layout, route_and_layout, gather, gather_scaled, combine
+  gradients (docs/design.md section 7; _autograd.py): the functional route, route_and_layout,
+  gather, gather_scaled and combine; the out-variants are not on the autograd tape.
 """
 
 import contextlib
@@ -20,7 +22,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _ext
+from . import _autograd, _ext
 from ._core import (DROPPED, NUM_TILES, NUM_TOTALS, PADDED_TOTAL, LocalExperts, RoutingConfig,
                     check_status, layout_workspace_size, resolve_local, resolve_routing)
 
@@ -33,6 +35,7 @@ __all__ = [
     "combine",
     "empty_layout",
     "empty_workspace",
+    "route_weights",
 ]
 
 # ----------------------------------------------------------------------------- translation
@@ -555,6 +558,16 @@ def _check_tensor(op: str, name: str, t: Any) -> None:
         raise TypeError(f"{op}: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
 
 
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def _no_grad_out(op: str, *tensors: Optional[Tensor]) -> None:
+    if _needs_grad(*tensors):
+        raise ValueError(f"{op}: argument 'out': the out= form is not recorded by autograd and an input requires "
+                         "grad; call it without out= (or under torch.no_grad())")
+
+
 def route(logits: Tensor, config: Union[RoutingConfig, str], bias: Optional[Tensor] = None,
           ids_dtype: torch.dtype = torch.int32, weights_dtype: torch.dtype = torch.float32, *,
           out: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
@@ -566,6 +579,7 @@ def route(logits: Tensor, config: Union[RoutingConfig, str], bias: Optional[Tens
     cfg = resolve_routing(config)
     _check_tensor("route", "logits", logits)
     if out is not None:
+        _no_grad_out("route", logits)
         topk_ids, topk_weights = out
         torch.ops.switchyard.route_out(logits, bias, topk_ids, topk_weights, *cfg._op_args)
         return topk_ids, topk_weights
@@ -626,6 +640,7 @@ def route_and_layout(logits: Tensor, config: Union[RoutingConfig, str], bias: Op
         r = torch.ops.switchyard.route_and_layout(logits, bias, expert_map, *cfg._op_args, tile_size, start, count,
                                                   stride, ids_dtype, weights_dtype, independent_blocks)
         return r[0], r[1], Layout(*r[2:])
+    _no_grad_out("route_and_layout", logits)
     topk_ids, topk_weights, lay = out
     if workspace is None:
         workspace = _workspace_for((_rows_2d(logits), cfg.top_k), cfg.num_experts, tile_size, resolve_local(local),
@@ -647,6 +662,7 @@ def gather(x: Tensor, layout: Layout, scales: Optional[Tensor] = None, zero_fill
     # result is the same either way.
     e2p = layout.expanded_to_permuted
     if out is not None:
+        _no_grad_out("gather", x, scales)
         torch.ops.switchyard.gather_out(x, scales, layout.permuted_to_token, layout.totals, out, out_scales,
                                         zero_fill_padding, e2p)
         return out if scales is None else (out, out_scales)
@@ -663,6 +679,12 @@ def combine(y_perm: Tensor, layout: Layout, weights: Optional[Tensor] = None, ou
     stride; weights [T,K] fp32/bf16. out: [T,H] to write (and add to when accumulate);
     without out a new tensor of y_perm's dtype."""
     _check_tensor("combine", "y_perm", y_perm)
+    if out is not None and _needs_grad(y_perm, weights, out):
+        # On the autograd tape: the functional combine, then one torch add (or copy) into out.
+        # With accumulate and a bf16/fp16 out this rounds twice (the sum, then out + sum) where
+        # combine_out rounds once.
+        result = torch.ops.switchyard.combine(y_perm, layout.expanded_to_permuted, layout.permuted_to_token, weights)
+        return out.add_(result) if accumulate else out.copy_(result)
     if out is not None:
         torch.ops.switchyard.combine_out(y_perm, layout.expanded_to_permuted, layout.permuted_to_token, weights, out,
                                          accumulate)
@@ -687,3 +709,22 @@ def empty_workspace(num_tokens: int, top_k: int, num_experts: int, tile_size: in
     """The uint8 workspace layout / route_and_layout need on `device` (empty on the CPU)."""
     size = layout_workspace_size(num_tokens, top_k, num_experts, tile_size, local, device)
     return torch.empty(size, dtype=torch.uint8, device=torch.device(device))
+
+
+def route_weights(logits: Tensor, topk_ids: Tensor, config: Union[RoutingConfig, str],
+                  bias: Optional[Tensor] = None) -> Tensor:
+    """The routing weights of given picks, in torch ops and differentiable: post(pre(logits)
+    [topk_ids]) * scale with the rules of route (non-finite logits and picks whose selection
+    score logits' pre-score + bias is not finite get weight 0; bias only decides that).
+    logits [T,E] of any float dtype (fp64 included), topk_ids [T,K] with distinct ids per row;
+    returns fp32 weights (fp64 for fp64 logits). Its gradient is the one route's backward
+    uses, so this is what gradcheck checks in fp64; with the ids route picked, it gives route's
+    weights within fp32 rounding."""
+    cfg = resolve_routing(config, "route_weights")
+    _check_tensor("route_weights", "logits", logits)
+    _check_tensor("route_weights", "topk_ids", topk_ids)
+    _, _, pre, post, _, _, _, scale = cfg._op_args
+    return _autograd.RouteWeights.apply(logits, topk_ids.long(), bias, pre, post, scale)
+
+
+_autograd.register()

@@ -7,6 +7,7 @@ Tolerances (fp32 on the CPU): logits of a full forward within rtol 1e-4, atol 1e
 index_add_, switchyard.combine in k order in fp32; the GEMMs are the same torch calls on
 differently ordered rows). Greedy generation of 8 tokens gives the same tokens."""
 
+import inspect
 import types
 
 import pytest
@@ -15,7 +16,7 @@ from sy_testing import require_torch
 
 torch = require_torch()
 
-TRANSFORMERS_REASON = ("transformers >= 5 (with the experts registry transformers.integrations.moe) is not "
+TRANSFORMERS_REASON = ("transformers (>= 5.14, with the experts registry transformers.integrations.moe) is not "
                        "importable here, so the tests of switchyard.integrations.transformers skip; "
                        "pip install 'switchyard[transformers]' (scripts/test --all installs it)")
 try:
@@ -24,8 +25,14 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the machine
     pytest.skip(f"{TRANSFORMERS_REASON} ({e})", allow_module_level=True)
 
-import switchyard as sy  # noqa: E402
 import switchyard.integrations.transformers as sy_hf  # noqa: E402
+
+_version = sy_hf._major_minor(transformers.__version__)
+if _version is None or not sy_hf._SUPPORTED_RANGE[0] <= _version < sy_hf._SUPPORTED_RANGE[1]:
+    pytest.skip(f"transformers {transformers.__version__} is outside the supported range "
+                f"{sy_hf.SUPPORTED_TRANSFORMERS} (pip install 'switchyard[transformers]')", allow_module_level=True)
+
+import switchyard as sy  # noqa: E402
 
 sy_hf.register()
 
@@ -275,6 +282,17 @@ def test_router_rule_is_the_preset(preset):
     assert sy_hf.router_routing(router) == sy.presets[preset].routing
 
 
+def test_older_router_form_is_unsupported():
+    """A known router class without what the rule reads (its form before transformers 5.14)
+    is refused, naming what is missing, and nothing is patched."""
+    model = tiny_model("glm4_moe")
+    router = moe_blocks(model)[0].gate
+    del router.num_group
+    with pytest.raises(sy.UnsupportedError, match="patch_routers: Glm4MoeTopkRouter .* no num_group"):
+        sy_hf.patch_routers(model)
+    assert sy_hf.unpatch_routers(model) == 0
+
+
 def test_router_routing_rejects_unknown_module():
     with pytest.raises(ValueError, match="router_routing: argument 'module'"):
         sy_hf.router_routing(torch.nn.Linear(2, 2))
@@ -293,6 +311,9 @@ def test_patch_routers_is_idempotent_and_reversible():
 
 
 # ----------------------------------------------------------------------------- the registry's flags
+
+
+FLAG_DEFAULTS = dict(has_gate=True, has_bias=False, is_transposed=False, has_post_expert_norm=False)
 
 
 def synthetic_experts(has_gate, has_bias, is_transposed, has_post_expert_norm, E=6, H=16, I=12):
@@ -324,8 +345,13 @@ def synthetic_experts(has_gate, has_bias, is_transposed, has_post_expert_norm, E
         def forward(self, hidden_states, top_k_index, top_k_weights):
             raise AssertionError("the eager forward is not used here")
 
-    decorated = use_experts_implementation(Experts, has_gate=has_gate, has_bias=has_bias,
-                                           is_transposed=is_transposed, has_post_expert_norm=has_post_expert_norm)
+    flags = dict(has_gate=has_gate, has_bias=has_bias, is_transposed=is_transposed,
+                 has_post_expert_norm=has_post_expert_norm)
+    known = inspect.signature(use_experts_implementation).parameters
+    for flag, value in flags.items():
+        if flag not in known and value != FLAG_DEFAULTS[flag]:
+            pytest.skip(f"transformers {transformers.__version__} has no {flag} flag in use_experts_implementation")
+    decorated = use_experts_implementation(Experts, **{k: v for k, v in flags.items() if k in known})
     return decorated(types.SimpleNamespace(_experts_implementation="batched_mm"))
 
 

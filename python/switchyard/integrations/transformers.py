@@ -1,4 +1,4 @@
-"""Switchyard inside Hugging Face transformers (>= 5, < 6): an experts implementation for the
+"""Switchyard inside Hugging Face transformers (>= 5.14, < 6): an experts implementation for the
 registry of `transformers.integrations.moe` and, optionally, Switchyard routing in place of the
 models' routers.
 
@@ -29,6 +29,7 @@ a RuntimeError naming the missing gradient; forward passes under autograd work. 
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -53,8 +54,10 @@ __all__ = [
 NAME = "switchyard"
 
 #: The transformers versions this integration is written and tested for (the `transformers`
-#: extra of the package pins the same range).
-SUPPORTED_TRANSFORMERS = ">=5,<6"
+#: extra of the package pins the same range). Tested with 5.14.1 and 5.25.0; before 5.14 the
+#: DeepSeek-V3 and GLM-4.5 routers returned only logits (routing happened in the MoE block).
+SUPPORTED_TRANSFORMERS = ">=5.14,<6"
+_SUPPORTED_RANGE = ((5, 14), (6, 0))
 
 # ----------------------------------------------------------------------------- missing gradients
 
@@ -213,9 +216,23 @@ def register(name: str = NAME) -> str:
     except ImportError as e:
         raise ImportError(f"switchyard.integrations.transformers needs transformers{SUPPORTED_TRANSFORMERS} with "
                           f"transformers.integrations.moe.ExpertsInterface ({e}); install switchyard[transformers]") from e
+    import transformers
+
+    version = _major_minor(transformers.__version__)
+    if version is not None and not _SUPPORTED_RANGE[0] <= version < _SUPPORTED_RANGE[1]:
+        warnings.warn(f"switchyard.integrations.transformers is tested with transformers{SUPPORTED_TRANSFORMERS}, "
+                      f"found {transformers.__version__}", stacklevel=2)
     _resolve_grouped_linear()
     ExpertsInterface.register(name, experts_forward)
     return name
+
+
+def _major_minor(version: str) -> Optional[Tuple[int, int]]:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------------------- routers
@@ -257,11 +274,27 @@ def _sigmoid_bias_forward(self: torch.nn.Module, hidden_states: Tensor) -> Tuple
     return router_logits, weights, ids
 
 
+_SOFTMAX_ATTRS = ("num_experts", "top_k", "hidden_dim", "weight")
+_SIGMOID_ATTRS = _SOFTMAX_ATTRS + ("num_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+                                   "e_score_correction_bias")
+
+
 class _RouterKind:
-    def __init__(self, preset: str, routing: Callable[[torch.nn.Module], RoutingConfig], forward: Callable):
+    def __init__(self, preset: str, routing: Callable[[torch.nn.Module], RoutingConfig], forward: Callable,
+                 attributes: Tuple[str, ...]):
         self.preset = preset  # the switchyard preset whose rule this router computes
         self.routing = routing
         self.forward = forward
+        self.attributes = attributes  # what routing and forward read from the module
+
+    def check(self, module: torch.nn.Module, op: str) -> None:
+        """UnsupportedError when the module is an older form of the class (transformers
+        before 5.14 routed DeepSeek-V3 and GLM-4.5 in the MoE block, not in the router)."""
+        missing = [a for a in self.attributes if not hasattr(module, a)]
+        if missing:
+            raise sy.UnsupportedError(
+                f"{op}: {type(module).__name__} of this transformers has no {', '.join(missing)}; "
+                f"switchyard patches the routers of transformers{SUPPORTED_TRANSFORMERS}")
 
 
 # Router classes of transformers' models (matched by module and class name, so that no model
@@ -269,13 +302,17 @@ class _RouterKind:
 # and a forward returning what the original returns: (router_logits, weights, ids).
 _ROUTERS: Dict[Tuple[str, str], _RouterKind] = {
     ("qwen3_moe", "Qwen3MoeTopKRouter"): _RouterKind(
-        "qwen3-235b-a22b", lambda m: _softmax_topk_routing(m, m.norm_topk_prob), _softmax_topk_forward(True)),
+        "qwen3-235b-a22b", lambda m: _softmax_topk_routing(m, m.norm_topk_prob), _softmax_topk_forward(True),
+        _SOFTMAX_ATTRS + ("norm_topk_prob",)),
     ("mixtral", "MixtralTopKRouter"): _RouterKind(
-        "mixtral-8x7b", lambda m: _softmax_topk_routing(m, True), _softmax_topk_forward(False)),
+        "mixtral-8x7b", lambda m: _softmax_topk_routing(m, True), _softmax_topk_forward(False), _SOFTMAX_ATTRS),
     ("gpt_oss", "GptOssTopKRouter"): _RouterKind(
-        "gpt-oss-120b", lambda m: _softmax_topk_routing(m, True), _softmax_topk_forward(True)),
-    ("deepseek_v3", "DeepseekV3TopkRouter"): _RouterKind("deepseek-v3", _sigmoid_bias_routing, _sigmoid_bias_forward),
-    ("glm4_moe", "Glm4MoeTopkRouter"): _RouterKind("glm-4.5", _sigmoid_bias_routing, _sigmoid_bias_forward),
+        "gpt-oss-120b", lambda m: _softmax_topk_routing(m, True), _softmax_topk_forward(True),
+        _SOFTMAX_ATTRS + ("bias",)),
+    ("deepseek_v3", "DeepseekV3TopkRouter"): _RouterKind("deepseek-v3", _sigmoid_bias_routing, _sigmoid_bias_forward,
+                                                         _SIGMOID_ATTRS),
+    ("glm4_moe", "Glm4MoeTopkRouter"): _RouterKind("glm-4.5", _sigmoid_bias_routing, _sigmoid_bias_forward,
+                                                   _SIGMOID_ATTRS),
 }
 
 #: (transformers model type, router class name) -> the Switchyard preset with that rule.
@@ -298,17 +335,24 @@ def router_routing(module: torch.nn.Module) -> RoutingConfig:
     if kind is None:
         raise ValueError(f"router_routing: argument 'module': {type(module).__module__}.{type(module).__name__} is "
                          "not a router switchyard knows; known: " + ", ".join(n for _, n in _ROUTERS))
+    kind.check(module, "router_routing")
     return kind.routing(module)
 
 
 def patch_routers(model: torch.nn.Module) -> int:
     """Replaces the forward of every router in `model` whose rule Switchyard has as a preset
     (PATCHABLE_ROUTERS) by switchyard.route over the router GEMM the original computes, with
-    the module's own weight, bias and e_score_correction_bias. Returns (logits, weights, ids)
-    as the original does: ids int64 in descending score order (ties: lower expert first),
-    weights in the original's dtype. Parameters, buffers and state_dict keys are unchanged.
+    the module's own weight, bias and e_score_correction_bias. A patched router returns
+    (router_logits, weights, ids) as the original does: ids int64 in descending score order
+    (ties: lower expert first), weights in the original's dtype. Parameters, buffers and state_dict keys are unchanged.
     Returns the number of routers patched (0 for a model without known routers). Calling it
-    again leaves patched routers as they are; unpatch_routers(model) restores them."""
+    again leaves patched routers as they are; unpatch_routers(model) restores them.
+    sy.UnsupportedError, before anything is patched, for a known router class in an older form
+    (transformers before 5.14)."""
+    for module in model.modules():
+        kind = _router_kind(module)
+        if kind is not None and "forward" not in module.__dict__:
+            kind.check(module, "patch_routers")
     patched = 0
     for module in model.modules():
         kind = _router_kind(module)

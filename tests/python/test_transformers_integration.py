@@ -1,11 +1,14 @@
 """switchyard.integrations.transformers on tiny random-weight models built from configs (no
 downloads): the "switchyard" experts implementation and patched routers against transformers'
-"eager" experts and routers, for Qwen3-MoE, DeepSeek-V3, Mixtral, gpt-oss and GLM-4.5.
+"eager" experts and routers, for Qwen3-MoE (with and without renormalized top-K weights),
+DeepSeek-V3, Mixtral, gpt-oss and GLM-4.5.
 
-Tolerances (fp32 on the CPU): logits of a full forward within rtol 1e-4, atol 1e-5 of "eager"
+Tolerances on the CPU: in fp32, logits of a full forward within rtol 1e-4, atol 1e-5 of "eager"
 (measured differences are ~1e-7: "eager" sums a token's expert outputs expert by expert with
 index_add_, switchyard.combine in k order in fp32; the GEMMs are the same torch calls on
-differently ordered rows). Greedy generation of 8 tokens gives the same tokens."""
+differently ordered rows), one MoE block's output within rtol 1e-5, atol 1e-6; in bf16, rtol
+1.6e-2, atol 1e-2 (where "grouped_mm" is up to 4e-3 from "eager"). Greedy generation of 8
+tokens (fp32) gives the same tokens."""
 
 import inspect
 import types
@@ -46,6 +49,12 @@ def qwen3_moe_config():
                                        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)
 
 
+def qwen3_moe_unnormalized_config():  # Qwen3MoeConfig's default: top-K softmax weights without renormalization
+    config = qwen3_moe_config()
+    config.norm_topk_prob = False
+    return config
+
+
 def deepseek_v3_config():
     attn = dict(ATTN, num_key_value_heads=4)
     return transformers.DeepseekV3Config(**attn, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16,
@@ -74,6 +83,7 @@ def glm4_moe_config():
 
 MODELS = {
     "qwen3_moe": qwen3_moe_config,
+    "qwen3_moe_unnormalized": qwen3_moe_unnormalized_config,
     "deepseek_v3": deepseek_v3_config,
     "mixtral": mixtral_config,
     "gpt_oss": gpt_oss_config,
@@ -148,6 +158,17 @@ def test_logits_match_eager(name):
     torch.testing.assert_close(patched, eager, rtol=1e-4, atol=1e-5)
     # Patched routers under the "eager" experts: the routing alone.
     torch.testing.assert_close(logits_with(model, "eager", patched=True), eager, rtol=1e-4, atol=1e-5)
+
+
+@each_model
+def test_bf16_logits_match_eager(name):
+    """In bf16 (CPU), within bf16's own tolerance (rtol 1.6e-2) plus atol 1e-2 for logits of
+    magnitude ~0.5: "grouped_mm" itself is up to 4e-3 from "eager" here."""
+    model = tiny_model(name).to(torch.bfloat16)
+    eager = logits_with(model, "eager").float()
+    torch.testing.assert_close(logits_with(model, "switchyard").float(), eager, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(logits_with(model, "switchyard", patched=True).float(), eager, rtol=1.6e-2,
+                               atol=1e-2)
 
 
 @each_model

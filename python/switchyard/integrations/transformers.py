@@ -215,7 +215,8 @@ def register(name: str = NAME) -> str:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as e:
         raise ImportError(f"switchyard.integrations.transformers needs transformers{SUPPORTED_TRANSFORMERS} with "
-                          f"transformers.integrations.moe.ExpertsInterface ({e}); install switchyard[transformers]") from e
+                          f"transformers.integrations.moe.ExpertsInterface ({e}); "
+                          "install switchyard[transformers]") from e
     import transformers
 
     version = _major_minor(transformers.__version__)

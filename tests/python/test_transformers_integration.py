@@ -1,7 +1,7 @@
 """switchyard.integrations.transformers on tiny random-weight models built from configs (no
 downloads): the "switchyard" experts implementation and patched routers against transformers'
 "eager" experts and routers, for Qwen3-MoE (with and without renormalized top-K weights),
-DeepSeek-V3, Mixtral, gpt-oss and GLM-4.5.
+Qwen3-Next, DeepSeek-V2 (grouped and greedy), DeepSeek-V3, Mixtral, gpt-oss and GLM-4.5.
 
 Tolerances on the CPU: in fp32, logits of a full forward within rtol 1e-4, atol 1e-5 of "eager"
 (measured differences are ~1e-7: "eager" sums a token's expert outputs expert by expert with
@@ -64,6 +64,29 @@ def deepseek_v3_config():
                                          v_head_dim=8)
 
 
+def qwen3_next_config():
+    return transformers.Qwen3NextConfig(**ATTN, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=16, num_experts=16, num_experts_per_tok=4,
+                                        norm_topk_prob=True, layer_types=["linear_attention", "full_attention"],
+                                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                        linear_num_value_heads=4)
+
+
+def deepseek_v2_config():
+    attn = dict(ATTN, num_key_value_heads=4)
+    return transformers.DeepseekV2Config(**attn, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16,
+                                         num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4,
+                                         topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                                         routed_scaling_factor=16.0, kv_lora_rank=16, q_lora_rank=24,
+                                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+
+
+def deepseek_v2_greedy_config():  # DeepSeek-V2-Lite's routing: no groups
+    config = deepseek_v2_config()
+    config.topk_method = "greedy"
+    return config
+
+
 def mixtral_config():
     return transformers.MixtralConfig(**ATTN, head_dim=8, intermediate_size=32, num_local_experts=8,
                                       num_experts_per_tok=2)
@@ -84,6 +107,9 @@ def glm4_moe_config():
 MODELS = {
     "qwen3_moe": qwen3_moe_config,
     "qwen3_moe_unnormalized": qwen3_moe_unnormalized_config,
+    "qwen3_next": qwen3_next_config,
+    "deepseek_v2": deepseek_v2_config,
+    "deepseek_v2_greedy": deepseek_v2_greedy_config,
     "deepseek_v3": deepseek_v3_config,
     "mixtral": mixtral_config,
     "gpt_oss": gpt_oss_config,
@@ -281,6 +307,10 @@ def test_backward_raises(name):
 REAL_CONFIGS = {  # the routing part of each model's published config, and the preset with its rule
     "qwen3-235b-a22b": lambda: transformers.Qwen3MoeConfig(num_experts=128, num_experts_per_tok=8,
                                                            norm_topk_prob=True),
+    "qwen3-next-80b": lambda: transformers.Qwen3NextConfig(),
+    "deepseek-v2": lambda: transformers.DeepseekV2Config(n_routed_experts=160, num_experts_per_tok=6,
+                                                         topk_method="group_limited_greedy", n_group=8,
+                                                         topk_group=3, routed_scaling_factor=16.0),
     "deepseek-v3": lambda: transformers.DeepseekV3Config(),
     "mixtral-8x7b": lambda: transformers.MixtralConfig(),
     "gpt-oss-120b": lambda: transformers.GptOssConfig(num_local_experts=128, num_experts_per_tok=4),
@@ -312,6 +342,15 @@ def test_older_router_form_is_unsupported():
     with pytest.raises(sy.UnsupportedError, match="patch_routers: Glm4MoeTopkRouter .* no num_group"):
         sy_hf.patch_routers(model)
     assert sy_hf.unpatch_routers(model) == 0
+
+
+def test_deepseek_v2_unknown_topk_method_is_unsupported():
+    model = tiny_model("deepseek_v2")
+    routers = [b.gate for b in moe_blocks(model)]
+    routers[-1].topk_method = "noaux_tc"
+    with pytest.raises(sy.UnsupportedError, match="topk_method 'noaux_tc' has no Switchyard rule"):
+        sy_hf.patch_routers(model)
+    assert sy_hf.unpatch_routers(model) == 0  # none patched, not even the good ones before it
 
 
 def test_router_routing_rejects_unknown_module():

@@ -256,6 +256,19 @@ def _sigmoid_bias_routing(m: torch.nn.Module) -> RoutingConfig:
                          topk_group=m.topk_group if grouped else 1, scale=float(m.routed_scaling_factor))
 
 
+def _deepseek_v2_routing(m: torch.nn.Module) -> RoutingConfig:
+    # DeepSeek-V2: softmax scores, top-K ("greedy") or top-K within the best topk_group groups
+    # by their maximum ("group_limited_greedy"), weights = scores * routed_scaling_factor.
+    scale = float(m.routed_scaling_factor)
+    if m.topk_method == "greedy":
+        return RoutingConfig(m.num_experts, m.top_k, pre="softmax", post="none", scale=scale)
+    if m.topk_method == "group_limited_greedy":
+        return RoutingConfig(m.num_experts, m.top_k, pre="softmax", post="none", group_rule="max",
+                             n_group=m.num_group, topk_group=m.topk_group, scale=scale)
+    raise sy.UnsupportedError(f"DeepseekV2TopkRouter: topk_method {m.topk_method!r} has no Switchyard rule; "
+                              "known: 'greedy', 'group_limited_greedy'")
+
+
 def _softmax_topk_forward(cast_weights: bool) -> Callable:
     def forward(self: torch.nn.Module, hidden_states: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -268,10 +281,11 @@ def _softmax_topk_forward(cast_weights: bool) -> Callable:
     return forward
 
 
-def _sigmoid_bias_forward(self: torch.nn.Module, hidden_states: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def _fp32_logits_forward(self: torch.nn.Module, hidden_states: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    # The DeepSeek routers: an fp32 router GEMM, fp32 weights; a selection bias where there is one.
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
-    ids, weights = _route(router_logits, self._switchyard_routing, self.e_score_correction_bias)
+    ids, weights = _route(router_logits, self._switchyard_routing, getattr(self, "e_score_correction_bias", None))
     return router_logits, weights, ids
 
 
@@ -305,14 +319,20 @@ _ROUTERS: Dict[Tuple[str, str], _RouterKind] = {
     ("qwen3_moe", "Qwen3MoeTopKRouter"): _RouterKind(
         "qwen3-235b-a22b", lambda m: _softmax_topk_routing(m, m.norm_topk_prob), _softmax_topk_forward(True),
         _SOFTMAX_ATTRS + ("norm_topk_prob",)),
+    ("qwen3_next", "Qwen3NextTopKRouter"): _RouterKind(
+        "qwen3-next-80b", lambda m: _softmax_topk_routing(m, m.norm_topk_prob), _softmax_topk_forward(True),
+        _SOFTMAX_ATTRS + ("norm_topk_prob",)),
     ("mixtral", "MixtralTopKRouter"): _RouterKind(
         "mixtral-8x7b", lambda m: _softmax_topk_routing(m, True), _softmax_topk_forward(False), _SOFTMAX_ATTRS),
     ("gpt_oss", "GptOssTopKRouter"): _RouterKind(
         "gpt-oss-120b", lambda m: _softmax_topk_routing(m, True), _softmax_topk_forward(True),
         _SOFTMAX_ATTRS + ("bias",)),
-    ("deepseek_v3", "DeepseekV3TopkRouter"): _RouterKind("deepseek-v3", _sigmoid_bias_routing, _sigmoid_bias_forward,
+    ("deepseek_v3", "DeepseekV3TopkRouter"): _RouterKind("deepseek-v3", _sigmoid_bias_routing, _fp32_logits_forward,
                                                          _SIGMOID_ATTRS),
-    ("glm4_moe", "Glm4MoeTopkRouter"): _RouterKind("glm-4.5", _sigmoid_bias_routing, _sigmoid_bias_forward,
+    ("deepseek_v2", "DeepseekV2TopkRouter"): _RouterKind(
+        "deepseek-v2", _deepseek_v2_routing, _fp32_logits_forward,
+        _SOFTMAX_ATTRS + ("topk_method", "num_group", "topk_group", "routed_scaling_factor")),
+    ("glm4_moe", "Glm4MoeTopkRouter"): _RouterKind("glm-4.5", _sigmoid_bias_routing, _fp32_logits_forward,
                                                    _SIGMOID_ATTRS),
 }
 
@@ -349,20 +369,21 @@ def patch_routers(model: torch.nn.Module) -> int:
     Returns the number of routers patched (0 for a model without known routers). Calling it
     again leaves patched routers as they are; unpatch_routers(model) restores them.
     sy.UnsupportedError, before anything is patched, for a known router class in an older form
-    (transformers before 5.14)."""
-    for module in model.modules():
-        kind = _router_kind(module)
-        if kind is not None and "forward" not in module.__dict__:
-            kind.check(module, "patch_routers")
+    (transformers before 5.14) or with a rule Switchyard lacks (DeepSeek-V2's topk_method other
+    than "greedy" / "group_limited_greedy"); ValueError for a configuration the rule rejects."""
+    to_patch = []
     patched = 0
     for module in model.modules():
         kind = _router_kind(module)
         if kind is None:
             continue
-        if "forward" not in module.__dict__:
-            module._switchyard_routing = kind.routing(module)
-            module.forward = types.MethodType(kind.forward, module)
         patched += 1
+        if "forward" not in module.__dict__:
+            kind.check(module, "patch_routers")
+            to_patch.append((module, kind, kind.routing(module)))
+    for module, kind, routing in to_patch:
+        module._switchyard_routing = routing
+        module.forward = types.MethodType(kind.forward, module)
     return patched
 
 

@@ -1,7 +1,8 @@
 """switchyard.integrations.transformers on tiny random-weight models built from configs (no
 downloads): the "switchyard" experts implementation and patched routers against transformers'
 "eager" experts and routers, for Qwen3-MoE (with and without renormalized top-K weights),
-Qwen3-Next, DeepSeek-V2 (grouped and greedy), DeepSeek-V3, Mixtral, gpt-oss and GLM-4.5.
+Qwen3-Next, DeepSeek-V2 (grouped and greedy), DeepSeek-V3, Mixtral, gpt-oss and GLM-4.5, and
+Llama 4's router (its experts do not go through the registry).
 
 Tolerances on the CPU: in fp32, logits of a full forward within rtol 1e-4, atol 1e-5 of "eager"
 (measured differences are ~1e-7: "eager" sums a token's expert outputs expert by expert with
@@ -87,6 +88,11 @@ def deepseek_v2_greedy_config():  # DeepSeek-V2-Lite's routing: no groups
     return config
 
 
+def llama4_config():  # Llama 4 runs its experts densely (no experts registry): its router alone
+    return transformers.Llama4TextConfig(**ATTN, head_dim=8, intermediate_size=16, intermediate_size_mlp=64,
+                                         num_local_experts=8, num_experts_per_tok=1)
+
+
 def mixtral_config():
     return transformers.MixtralConfig(**ATTN, head_dim=8, intermediate_size=32, num_local_experts=8,
                                       num_experts_per_tok=2)
@@ -111,6 +117,7 @@ MODELS = {
     "deepseek_v2": deepseek_v2_config,
     "deepseek_v2_greedy": deepseek_v2_greedy_config,
     "deepseek_v3": deepseek_v3_config,
+    "llama4": llama4_config,
     "mixtral": mixtral_config,
     "gpt_oss": gpt_oss_config,
     "glm4_moe": glm4_moe_config,
@@ -126,7 +133,7 @@ def tiny_model(name):
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if ".mlp." in pname:
+            if ".mlp." in pname or ".feed_forward." in pname:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):
@@ -270,6 +277,10 @@ def test_patched_router_outputs(name):
             assert sy_hf.patch_routers(block) == 1
             got = router(x)
             sy_hf.unpatch_routers(block)
+        if name == "llama4":  # (dense scores, logits)
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+            continue
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         assert got[1].dtype == want[1].dtype and got[2].dtype == torch.int64
         order_w, order_g = want[2].argsort(dim=1), got[2].argsort(dim=1)
@@ -286,10 +297,11 @@ def test_backward_raises(name):
     model(ids).logits.sum().backward()  # the reference trains
     model.zero_grad(set_to_none=True)
 
-    model.set_experts_implementation("switchyard")
-    loss = model(ids).logits.sum()
-    with pytest.raises(RuntimeError, match=r"switchyard: the gradient of .* switchyard\.(combine|gather)"):
-        loss.backward()
+    if type(model)._can_set_experts_implementation():  # experts through the registry (not Llama 4's)
+        model.set_experts_implementation("switchyard")
+        loss = model(ids).logits.sum()
+        with pytest.raises(RuntimeError, match=r"switchyard: the gradient of .* switchyard\.(combine|gather)"):
+            loss.backward()
 
     model.set_experts_implementation("eager")
     sy_hf.patch_routers(model)
@@ -312,6 +324,7 @@ REAL_CONFIGS = {  # the routing part of each model's published config, and the p
                                                          topk_method="group_limited_greedy", n_group=8,
                                                          topk_group=3, routed_scaling_factor=16.0),
     "deepseek-v3": lambda: transformers.DeepseekV3Config(),
+    "llama4-maverick": lambda: transformers.Llama4TextConfig(num_local_experts=128, num_experts_per_tok=1),
     "mixtral-8x7b": lambda: transformers.MixtralConfig(),
     "gpt-oss-120b": lambda: transformers.GptOssConfig(num_local_experts=128, num_experts_per_tok=4),
     "glm-4.5": lambda: transformers.Glm4MoeConfig(n_routed_experts=160, num_experts_per_tok=8,

@@ -294,6 +294,14 @@ _SIGMOID_ATTRS = _SOFTMAX_ATTRS + ("num_group", "topk_group", "norm_topk_prob", 
                                    "e_score_correction_bias")
 
 
+def _llama4_forward(self: torch.nn.Module, hidden_states: Tensor) -> Tuple[Tensor, Tensor]:
+    # Llama 4 returns dense scores [T, E]: sigmoid of the top-K logits, 0 elsewhere.
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    ids, weights = _route(router_logits, self._switchyard_routing, None)
+    router_scores = torch.zeros_like(router_logits).scatter_(1, ids, weights.to(router_logits.dtype))
+    return router_scores, router_logits
+
+
 class _RouterKind:
     def __init__(self, preset: str, routing: Callable[[torch.nn.Module], RoutingConfig], forward: Callable,
                  attributes: Tuple[str, ...]):
@@ -314,7 +322,8 @@ class _RouterKind:
 
 # Router classes of transformers' models (matched by module and class name, so that no model
 # module is imported here), the preset with their rule, the rule for a module's configuration,
-# and a forward returning what the original returns: (router_logits, weights, ids).
+# and a forward returning what the original returns: (router_logits, weights, ids); Llama 4's
+# (dense scores, router_logits).
 _ROUTERS: Dict[Tuple[str, str], _RouterKind] = {
     ("qwen3_moe", "Qwen3MoeTopKRouter"): _RouterKind(
         "qwen3-235b-a22b", lambda m: _softmax_topk_routing(m, m.norm_topk_prob), _softmax_topk_forward(True),
@@ -332,6 +341,9 @@ _ROUTERS: Dict[Tuple[str, str], _RouterKind] = {
     ("deepseek_v2", "DeepseekV2TopkRouter"): _RouterKind(
         "deepseek-v2", _deepseek_v2_routing, _fp32_logits_forward,
         _SOFTMAX_ATTRS + ("topk_method", "num_group", "topk_group", "routed_scaling_factor")),
+    ("llama4", "Llama4Router"): _RouterKind(
+        "llama4-maverick", lambda m: RoutingConfig(m.num_experts, m.top_k, pre="none", post="sigmoid"),
+        _llama4_forward, ("num_experts", "top_k", "weight", "bias")),
     ("glm4_moe", "Glm4MoeTopkRouter"): _RouterKind("glm-4.5", _sigmoid_bias_routing, _fp32_logits_forward,
                                                    _SIGMOID_ATTRS),
 }
@@ -363,9 +375,9 @@ def router_routing(module: torch.nn.Module) -> RoutingConfig:
 def patch_routers(model: torch.nn.Module) -> int:
     """Replaces the forward of every router in `model` whose rule Switchyard has as a preset
     (PATCHABLE_ROUTERS) by switchyard.route over the router GEMM the original computes, with
-    the module's own weight, bias and e_score_correction_bias. A patched router returns
-    (router_logits, weights, ids) as the original does: ids int64 in descending score order
-    (ties: lower expert first), weights in the original's dtype. Parameters, buffers and state_dict keys are unchanged.
+    the module's own weight, bias and e_score_correction_bias. A patched router returns what
+    the original does, (router_logits, weights, ids) (Llama 4: dense scores and logits): ids
+    int64 in descending score order (ties: lower expert first), weights in the original's dtype. Parameters, buffers and state_dict keys are unchanged.
     Returns the number of routers patched (0 for a model without known routers). Calling it
     again leaves patched routers as they are; unpatch_routers(model) restores them.
     sy.UnsupportedError, before anything is patched, for a known router class in an older form

@@ -248,7 +248,7 @@ def _softmax_topk_routing(m: torch.nn.Module, normalize: bool) -> RoutingConfig:
 
 
 def _sigmoid_bias_routing(m: torch.nn.Module) -> RoutingConfig:
-    # DeepSeek-V3 / Kimi-K2 / GLM-4.5: sigmoid scores, selection on score + e_score_correction_bias
+    # DeepSeek-V3 / GLM-4.5 (and Kimi-K2 loaded as DeepSeek-V3): sigmoid scores, selection on score + e_score_correction_bias
     # within the best topk_group groups by top-2 sum; weights from the scores, normalized, scaled.
     grouped = m.num_group > 1
     return RoutingConfig(m.num_experts, m.top_k, pre="sigmoid", post="normalize" if m.norm_topk_prob else "none",
@@ -377,7 +377,8 @@ def patch_routers(model: torch.nn.Module) -> int:
     (PATCHABLE_ROUTERS) by switchyard.route over the router GEMM the original computes, with
     the module's own weight, bias and e_score_correction_bias. A patched router returns what
     the original does, (router_logits, weights, ids) (Llama 4: dense scores and logits): ids
-    int64 in descending score order (ties: lower expert first), weights in the original's dtype. Parameters, buffers and state_dict keys are unchanged.
+    int64 in descending score order (ties: lower expert first), weights in the original's dtype.
+    Parameters, buffers and state_dict keys are unchanged.
     Returns the number of routers patched (0 for a model without known routers). Calling it
     again leaves patched routers as they are; unpatch_routers(model) restores them.
     sy.UnsupportedError, before anything is patched, for a known router class in an older form

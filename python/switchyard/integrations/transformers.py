@@ -248,8 +248,9 @@ def _softmax_topk_routing(m: torch.nn.Module, normalize: bool) -> RoutingConfig:
 
 
 def _sigmoid_bias_routing(m: torch.nn.Module) -> RoutingConfig:
-    # DeepSeek-V3 / GLM-4.5 (and Kimi-K2 loaded as DeepSeek-V3): sigmoid scores, selection on score + e_score_correction_bias
-    # within the best topk_group groups by top-2 sum; weights from the scores, normalized, scaled.
+    # DeepSeek-V3 / GLM-4.5 (and Kimi-K2 loaded as DeepSeek-V3): sigmoid scores, selection on
+    # score + e_score_correction_bias within the best topk_group groups by top-2 sum; weights
+    # from the scores, normalized, scaled.
     grouped = m.num_group > 1
     return RoutingConfig(m.num_experts, m.top_k, pre="sigmoid", post="normalize" if m.norm_topk_prob else "none",
                          group_rule="top2_sum" if grouped else "none", n_group=m.num_group if grouped else 1,

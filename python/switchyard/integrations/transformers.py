@@ -20,17 +20,21 @@ weighted by its routing weights in fp32, in k order: deterministic, run to run.
 Pairs whose expert id is outside [0, num_experts) (the sentinels of transformers' expert
 parallelism, or -1) are not placed by the layout and add nothing, as in "grouped_mm".
 
-Gradients: Switchyard's backward operations are being built (docs/design.md section 7).
-Until they exist, a backward pass through the "switchyard" experts or a patched router raises
-a RuntimeError naming the missing gradient; forward passes under autograd work. Train with
-"grouped_mm" (and unpatched routers) meanwhile.
+Gradients: the experts forward and the patched routers are made of Switchyard's ops with
+gradients (switchyard._autograd, docs/design.md section 7) and differentiable torch calls, so
+loss.backward() reaches the hidden states, the expert weights and biases, the routing weights
+and, through a patched router, the router's weight (and bias); the selection (top-K, groups,
+e_score_correction_bias) passes no gradient, as in the models' own routers. Tested in fp32
+against "eager" (tests/python/test_transformers_integration.py). Where a Switchyard op has no
+gradient, its backward raises its own error (switchyard._autograd: an fp8 x of
+switchyard.gather, TypeError).
 """
 
 from __future__ import annotations
 
 import types
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -59,63 +63,12 @@ NAME = "switchyard"
 SUPPORTED_TRANSFORMERS = ">=5.14,<6"
 _SUPPORTED_RANGE = ((5, 14), (6, 0))
 
-# ----------------------------------------------------------------------------- missing gradients
-
-_DESIGN_REF = "docs/design.md section 7"
-
-
-class _NoBackward(torch.autograd.Function):
-    """Runs fn(*args) in the forward; the backward raises the RuntimeError `message`. Keeps
-    autograd from silently treating Switchyard's outputs as constants (which would give wrong
-    gradients) until the real backward operations exist."""
-
-    @staticmethod
-    def forward(ctx: Any, message: str, non_differentiable: Tuple[int, ...], fn: Callable, *args: Any) -> Any:
-        ctx.message = message
-        out = fn(*args)
-        if non_differentiable:
-            ctx.mark_non_differentiable(*(out[i] for i in non_differentiable))
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError(ctx.message)
-
-
-def _needs_grad(*tensors: Optional[Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _missing(what: str) -> str:
-    return (f"switchyard: {what} is not implemented yet ({_DESIGN_REF}); the \"switchyard\" experts "
-            "implementation and patched routers are inference-only for now. To train, use "
-            "experts_implementation=\"grouped_mm\" and switchyard.integrations.transformers.unpatch_routers(model).")
-
-
-def _gather(x: Tensor, lay: Any) -> Tensor:
-    if _needs_grad(x):
-        return _NoBackward.apply(_missing("the gradient of the hidden states through switchyard.gather"), (),
-                                 sy.gather, x, lay)
-    return sy.gather(x, lay)
-
-
-def _combine(y_perm: Tensor, lay: Any, weights: Tensor) -> Tensor:
-    if _needs_grad(y_perm, weights):
-        return _NoBackward.apply(
-            _missing("the gradient of the expert outputs and routing weights through switchyard.combine"), (),
-            sy.combine, y_perm, lay, weights)
-    return sy.combine(y_perm, lay, weights)
+# ----------------------------------------------------------------------------- Switchyard's ops
 
 
 def _route(logits: Tensor, routing: RoutingConfig, bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    # int64 ids, as torch.topk gives them: the models' eager experts one_hot them.
-    if _needs_grad(logits):
-        return _NoBackward.apply(_missing("the gradient of the router logits through switchyard.route"), (0,),
-                                 _route_plain, logits, routing, bias)
-    return _route_plain(logits, routing, bias)
-
-
-def _route_plain(logits: Tensor, routing: RoutingConfig, bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    # int64 ids, as torch.topk gives them: the models' eager experts one_hot them. The weights
+    # carry the gradient of the logits (switchyard._autograd); the ids and the bias get none.
     return sy.route(logits, routing, bias, ids_dtype=torch.int64, weights_dtype=torch.float32)
 
 
@@ -179,9 +132,15 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
     # Tile size 1: no padding, so the rows of expert e are offsets[e]:offsets[e+1] and the
     # layout's tile arrays give each row's expert (tile_expert, -1 past the placed rows).
     lay = sy.layout(ids, num_experts)
-    x_perm = _gather(hidden_states, lay)  # [T*K, H]; rows past the placed ones are zeros
+    x_perm = sy.gather(hidden_states, lay)  # [T*K, H]; rows past the placed ones are zeros
     group_ends = lay.offsets[1:]  # the cumulative row counts grouped_mm takes as `offs`
     row_expert = lay.tile_expert.clamp(min=0) if has_bias else None
+    # Rows past the placed ones (pairs with ids outside [0, num_experts)) are outside every
+    # group: grouped_mm leaves them uninitialized in its output and in its backward's d input
+    # (transformers' "grouped_mm" masks them the same way). Zeroed after each grouped linear, so
+    # that no gradient reaches the biases (clamped to expert 0 there) or the post-expert norm from
+    # them; combine and gather's backward do not read them.
+    unplaced = (lay.tile_expert < 0).unsqueeze(-1)
 
     if has_gate:
         up_weight = self.gate_up_proj
@@ -191,9 +150,11 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
         up_bias = self.up_proj_bias[row_expert] if has_bias else None
     grouped_linear = _grouped_linear or _resolve_grouped_linear()
     proj = grouped_linear(x_perm, up_weight, group_ends, bias=up_bias, is_transposed=is_transposed)
+    proj = proj.masked_fill(unplaced, 0.0)
     proj = self._apply_gate(proj) if has_gate else self.act_fn(proj)
     down_bias = self.down_proj_bias[row_expert] if has_bias else None
     proj = grouped_linear(proj, self.down_proj, group_ends, bias=down_bias, is_transposed=is_transposed)
+    proj = proj.masked_fill(unplaced, 0.0)
     if getattr(self, "has_post_expert_norm", False):
         proj = self.post_expert_norm(proj)
 
@@ -202,7 +163,7 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
     weights = top_k_weights.to(torch.float32)
     if not weights.is_contiguous():
         weights = weights.contiguous()
-    out = _combine(proj, lay, weights)
+    out = sy.combine(proj, lay, weights)
     return out.to(hidden_states.dtype)
 
 

@@ -205,9 +205,10 @@ using AllGather = std::function<Status(const void* send, std::size_t bytes, void
 // check() return kTimeout naming the step and the rank. After either, the group refuses every
 // call on that rank (rebuild it): the peers' kernels may have stopped anywhere.
 //
-// Memory ordering: rows, scales and metadata are plain stores; each block then executes a
-// system-scope fence (fence.sc.sys) before it counts itself done, and the last block to finish
-// publishes each header with a system-scope release store. Receivers read headers with
+// Memory ordering: rows, scales and metadata are plain stores; each block then meets at a block
+// barrier, after which one thread executes a system-scope fence (fence.sc.sys) and counts the
+// block done (cooperative groups' grid-sync pattern), and the last block to finish fences again
+// and publishes each header with a system-scope release store. Receivers read headers with
 // system-scope acquire loads, then a block barrier, and read the rows with L1-bypassing loads.
 // The same release/acquire pairs carry the acknowledgements and the combine partials. A single
 // GPU cannot show a missing system-scope fence (its writes all go through one L2): these

@@ -49,6 +49,9 @@ CPU_DEFAULT = dict(presets=HEADLINE_PRESETS, tokens=[1, 64, 512], ops=HEADLINE_O
 SMOKE = dict(presets=["deepseek-v3"], tokens=[1, 8], ops=list(ALL_OPS), hidden=128)
 
 DEFAULT_L2_BYTES = 60 << 20
+# A point whose p10-p90 spread exceeds this fraction of its median is flagged unstable (the
+# machine was busy or the clock noisy): its figures are shown marked, not as facts.
+MAX_SPREAD = 0.5
 OP_NOTES = {
     "route": "torch: pre (softmax/sigmoid/...) [+ bias, group mask from topk of group scores] -> topk -> "
              "weights (renormalize/softmax/...) x scale, on fp32 scores",
@@ -67,6 +70,37 @@ OP_NOTES = {
 
 def _parse_list(text: str, cast: Callable[[str], Any] = str) -> List[Any]:
     return [cast(v.strip()) for v in text.split(",") if v.strip()]
+
+
+def _token_counts(text: str) -> List[int]:
+    """argparse type of --tokens: comma-separated integers >= 1 (argparse names the argument)."""
+    counts = []
+    for v in (v.strip() for v in text.split(",")):
+        if not v:
+            continue
+        try:
+            t = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not an integer (expected e.g. 1,16,128,4096)") from None
+        if t < 1:
+            raise argparse.ArgumentTypeError(f"{t}: every token count must be >= 1")
+        counts.append(t)
+    if not counts:
+        raise argparse.ArgumentTypeError("no token counts given")
+    return counts
+
+
+def _spread(p10: float, median: float, p90: float) -> float:
+    """(p90 - p10) / median: the relative spread of a point's samples."""
+    return (p90 - p10) / median if median > 0 else math.inf
+
+
+def _matplotlib_missing() -> Optional[str]:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
 
 
 def _percentiles(samples: List[float]) -> Dict[str, float]:
@@ -692,6 +726,8 @@ def run_point(ctx: "Context", preset_name: str, op: str, T: int, skew: str, ldt:
                   "samples": ours["samples"], "method": ours["method"]})
     point["gbps"] = bytes_moved / (ours["median_us"] * 1e-6) / 1e9
     point["pct_copy"] = 100.0 * point["gbps"] * 1e9 / ctx.copy_bw
+    point["spread"] = _spread(ours["p10_us"], ours["median_us"], ours["p90_us"])
+    point["unstable"] = point["spread"] > ctx.max_spread
     if ctx.baseline:
         try:
             point["check"] = check()
@@ -703,6 +739,8 @@ def run_point(ctx: "Context", preset_name: str, op: str, T: int, skew: str, ldt:
             point.update({"torch_median_us": theirs["median_us"], "torch_p10_us": theirs["p10_us"],
                           "torch_p90_us": theirs["p90_us"], "torch_method": theirs["method"]})
             point["speedup"] = theirs["median_us"] / ours["median_us"]
+            point["torch_spread"] = _spread(theirs["p10_us"], theirs["median_us"], theirs["p90_us"])
+            point["torch_unstable"] = point["torch_spread"] > ctx.max_spread
         except Exception as e:
             point["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             if dev == "cuda":
@@ -720,6 +758,8 @@ def _fmt_us(v: Optional[float]) -> str:
 
 
 def markdown_table(points: List[Dict[str, Any]]) -> str:
+    """The table; an unstable figure is marked UNSTABLE (ours) or ? (torch, speedup), and a
+    % copy above 100 is shown as >100%* (see the notes printed under the table)."""
     head = ("| preset | op | skew | logits | hidden | T | ours us (p10-p90) | torch us | speedup | MB | GB/s | "
             "% copy | floor us | check |")
     lines = [head, "|" + "---|" * 14]
@@ -727,29 +767,38 @@ def markdown_table(points: List[Dict[str, Any]]) -> str:
         hidden = f"{p['hidden_dtype']} {p['hidden']}" if p.get("hidden_dtype") else "-"
         if "median_us" in p:
             ours = f"{_fmt_us(p['median_us'])} ({_fmt_us(p['p10_us'])}-{_fmt_us(p['p90_us'])})"
-            gbps, pct = f"{p['gbps']:.0f}", f"{p['pct_copy']:.0f}%"
+            if p.get("unstable"):
+                ours += f" UNSTABLE ({100 * p['spread']:.0f}% spread)"
+            gbps = f"{p['gbps']:.0f}"
+            pct = ">100%*" if p["pct_copy"] > 100 else f"{p['pct_copy']:.0f}%"
         else:
             ours, gbps, pct = p.get("error", "error")[:60], "-", "-"
         torch_us = _fmt_us(p.get("torch_median_us")) if "torch_median_us" in p else (
             "error" if "torch_error" in p else "-")
+        if p.get("torch_unstable"):
+            torch_us += "?"
         speed = f"{p['speedup']:.1f}x" if "speedup" in p else "-"
+        if "speedup" in p and (p.get("unstable") or p.get("torch_unstable")):
+            speed += "?"
         lines.append(f"| {p['preset']} | {p['op']} | {p['skew']} | {p.get('logit_dtype') or '-'} | {hidden} | "
                      f"{p['tokens']} | {ours} | {torch_us} | {speed} | {p.get('bytes', 0) / 1e6:.2f} | {gbps} | "
                      f"{pct} | {_fmt_us(p.get('floor_us'))} | {p.get('check', '-')} |")
     return "\n".join(lines)
 
 
-def write_plot(path: str, points: List[Dict[str, Any]]) -> str:
+def write_plot(path: str, points: List[Dict[str, Any]], title: str = "") -> Tuple[bool, str]:
+    """(written, message). title: the figure's heading (backend, device, commit); unstable
+    points are drawn hollow."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        return f"plot skipped: matplotlib is not importable ({e})"
+        return False, f"plot not written: matplotlib is not importable ({e}); {_PIP_MATPLOTLIB}"
     ops = [op for op in ALL_OPS if any(p["op"] == op and "median_us" in p for p in points)]
     if not ops:
-        return "plot skipped: no timed points"
+        return False, "plot not written: no timed points"
     cols = min(3, len(ops))
     rows = (len(ops) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
@@ -766,6 +815,10 @@ def write_plot(path: str, points: List[Dict[str, Any]]) -> str:
             label = " ".join(str(k) for k in key if k)
             t = [p["tokens"] for p in pts]
             ax.plot(t, [p["median_us"] for p in pts], "o-", color=c, label=label)
+            shaky = [p for p in pts if p.get("unstable")]
+            if shaky:
+                ax.plot([p["tokens"] for p in shaky], [p["median_us"] for p in shaky], "o", color="white",
+                        markeredgecolor=c, markersize=7, label=None)
             tp = [p for p in pts if "torch_median_us" in p]
             if tp:
                 ax.plot([p["tokens"] for p in tp], [p["torch_median_us"] for p in tp], "s--", color=c)
@@ -779,10 +832,17 @@ def write_plot(path: str, points: List[Dict[str, Any]]) -> str:
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(ops):]:
         ax.axis("off")
+    if any(p.get("unstable") for p in points):
+        title += f"\nhollow markers: unstable (p10-p90 spread > {100 * MAX_SPREAD:.0f}% of the median)"
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return f"plot written to {path}"
+    return True, f"plot written to {path}"
+
+
+_PIP_MATPLOTLIB = f"install it with: {shlex.quote(sys.executable)} -m pip install matplotlib"
 
 
 # ----------------------------------------------------------------------------- driver
@@ -800,7 +860,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(GPU) or a smaller CPU default.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--presets", help="comma-separated preset names (docs/design.md), or 'all'")
-    ap.add_argument("--tokens", help="comma-separated token counts, e.g. 1,16,128,4096")
+    ap.add_argument("--tokens", type=_token_counts, help="comma-separated token counts, e.g. 1,16,128,4096")
     ap.add_argument("--ops", help="comma-separated: " + ",".join(ALL_OPS) + " (or 'all')")
     ap.add_argument("--skews", default="uniform", help="comma-separated: " + ",".join(ALL_SKEWS))
     ap.add_argument("--logit-dtypes", default="fp32", help="comma-separated: " + ",".join(LOGIT_DTYPES))
@@ -817,6 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default="switchyard_bench.json", help="JSON output file ('' for none)")
     ap.add_argument("--plot", help="PNG: time against tokens per operation (needs matplotlib)")
     ap.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    ap.add_argument("--max-spread", type=float, default=MAX_SPREAD,
+                    help="flag a point as unstable when (p90 - p10) / median exceeds this")
     return ap
 
 
@@ -830,6 +892,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.plot and _matplotlib_missing() is not None:
+        # Before any measuring: a requested plot that cannot be drawn fails the run up front.
+        print(f"switchyard-bench: --plot needs matplotlib, which is not importable ({_matplotlib_missing()}); "
+              f"{_PIP_MATPLOTLIB}", file=sys.stderr)
+        return 2
+    if not args.max_spread > 0:
+        ap.error("argument --max-spread: must be > 0")
 
     try:
         import switchyard as sy
@@ -860,9 +929,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     presets = list(sy.presets) if args.presets == "all" else (
         _parse_list(args.presets) if args.presets else list(defaults["presets"]))
     _validate(ap, presets, list(sy.presets), "preset")
-    tokens = _parse_list(args.tokens, int) if args.tokens else list(defaults["tokens"])
-    if any(t < 1 for t in tokens):
-        ap.error("--tokens: every count must be >= 1")
+    tokens = list(args.tokens) if args.tokens else list(defaults["tokens"])
     ops = list(ALL_OPS) if args.ops == "all" else (_parse_list(args.ops) if args.ops else list(defaults["ops"]))
     _validate(ap, ops, ALL_OPS, "op")
     skews = _parse_list(args.skews)
@@ -878,6 +945,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ctx = Context()
     ctx.torch, ctx.sy, ctx.tile_size, ctx.hidden, ctx.baseline = torch, sy, args.tile_size, hidden, not args.no_torch
+    ctx.max_spread = args.max_spread
     repro = "python -m switchyard.bench" + ("" if not argv else " " + shlex.join(argv))
     if on_gpu:
         ctx.device = "cuda"
@@ -954,6 +1022,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"- {op}: {OP_NOTES[op]}")
     for s in dict.fromkeys(skipped):
         print(f"- skipped: {s}")
+    unstable = [p for p in points if p.get("unstable") or p.get("torch_unstable")]
+    if unstable:
+        print(f"- UNSTABLE: {len(unstable)} of {len(points)} points have a p10-p90 spread above "
+              f"{100 * ctx.max_spread:.0f}% of their median (ours: 'UNSTABLE', torch and speedup: '?'): the machine "
+              "was busy or its clock noisy; treat those figures as rough and rerun on a quiet machine")
+    if any(p.get("pct_copy", 0) > 100 for p in points):
+        print(f"- >100%*: faster than the copy bandwidth measured on {bw['copy_bytes'] / 2**20:.0f} MiB: the "
+              "point's data is small enough to stay in cache, where the copy figure is no bound (the JSON keeps "
+              "the uncapped pct_copy)")
     bad = [p for p in points if str(p.get("check", "")).startswith("DIFFERS") or "error" in p]
     if bad:
         print(f"- WARNING: {len(bad)} points have a mismatch against torch or an error (see the check column)")
@@ -986,6 +1063,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "written + indices; combine: placed rows of y_perm read + indices + weights + out "
                            "written; pipeline: the sum of its stages",
                   **OP_NOTES},
+        "max_spread": ctx.max_spread,
         "skipped": list(dict.fromkeys(skipped)),
         "elapsed_s": elapsed,
         "points": points,
@@ -995,7 +1073,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(result, f, indent=1)
         print(f"JSON written to {args.json}")
     if args.plot:
-        print(write_plot(args.plot, points))
+        commit = result["commit"]
+        commit = commit[:12] + (" + uncommitted changes" if "uncommitted" in commit else "")
+        title = (f"switchyard-bench: {ctx.device.upper()} backend on {device_desc}; commit {commit}; "
+                 f"switchyard {sy.__version__}, torch {torch.__version__}")
+        written, message = write_plot(args.plot, points, title)
+        print(message)
+        if not written:
+            return 1
     return 0
 
 

@@ -17,6 +17,8 @@ Ops (all run on CPU or CUDA tensors, on the current CUDA stream of the tensors' 
 """
 
 import contextlib
+import operator
+import sys
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -558,6 +560,26 @@ def _check_tensor(op: str, name: str, t: Any) -> None:
         raise TypeError(f"{op}: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
 
 
+def _check_layout(op: str, layout: Any) -> None:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{op}: argument 'layout': expected a switchyard.Layout (from layout, route_and_layout or "
+                        f"empty_layout), got {type(layout).__name__}")
+
+
+def _int_arg(op: str, name: str, value: Any, minimum: Optional[int] = None) -> int:
+    """`value` as an int: TypeError naming `name` for a float, bool or other non-integer,
+    ValueError below `minimum`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{op}: argument '{name}': expected an int, got bool")
+    try:
+        v = value if isinstance(value, int) else operator.index(value)
+    except TypeError:
+        raise TypeError(f"{op}: argument '{name}': expected an int, got {type(value).__name__}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{op}: argument '{name}': must be >= {minimum}, got {v}")
+    return v
+
+
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
@@ -606,6 +628,8 @@ def layout(topk_ids: Tensor, num_experts: int, tile_size: int = 1, local: Any = 
     independent_blocks=True (CUDA): no block of the call waits for another, so it completes
     beside kernels that hold SMs (expert-parallel communication); slower from 4097 picks on."""
     _check_tensor("layout", "topk_ids", topk_ids)
+    num_experts = _int_arg("layout", "num_experts", num_experts)
+    tile_size = _int_arg("layout", "tile_size", tile_size)
     start, count, stride, expert_map = _local_args(local)
     if out is None:
         result = Layout(*torch.ops.switchyard.layout(topk_ids, expert_map, num_experts, tile_size, start, count,
@@ -633,6 +657,7 @@ def route_and_layout(logits: Tensor, config: Union[RoutingConfig, str], bias: Op
     layout()."""
     cfg = resolve_routing(config, "route_and_layout")
     _check_tensor("route_and_layout", "logits", logits)
+    tile_size = _int_arg("route_and_layout", "tile_size", tile_size)
     start, count, stride, expert_map = _local_args(local)
     if out is None:
         _check_dtype("route_and_layout", "ids_dtype", ids_dtype, (torch.int32, torch.int64))
@@ -658,6 +683,7 @@ def gather(x: Tensor, layout: Layout, scales: Optional[Tensor] = None, zero_fill
     zero_fill_padding. Without `out` the result is freshly zero-initialized; with out (and
     out_scales when scaled) those are written and rows >= padded_total are left untouched."""
     _check_tensor("gather", "x", x)
+    _check_layout("gather", layout)
     # expanded_to_permuted lets the CUDA backend read each token row once (token-major); the
     # result is the same either way.
     e2p = layout.expanded_to_permuted
@@ -679,6 +705,7 @@ def combine(y_perm: Tensor, layout: Layout, weights: Optional[Tensor] = None, ou
     stride; weights [T,K] fp32/bf16. out: [T,H] to write (and add to when accumulate);
     without out a new tensor of y_perm's dtype."""
     _check_tensor("combine", "y_perm", y_perm)
+    _check_layout("combine", layout)
     if out is not None and _needs_grad(y_perm, weights, out):
         # On the autograd tape: the functional combine, then one torch add (or copy) into out.
         # With accumulate and a bf16/fp16 out this rounds twice (the sum, then out + sum) where
@@ -698,15 +725,24 @@ def empty_layout(num_tokens: int, top_k: int, num_experts: int, tile_size: int =
                  device: Any = "cpu") -> Layout:
     """Uninitialized Layout arrays for T tokens and K picks, to fill with layout(out=...) or
     route_and_layout(out=...): allocate once, reuse (and capture in CUDA graphs)."""
+    op = "empty_layout"
+    num_tokens = _int_arg(op, "num_tokens", num_tokens, 0)
+    top_k = _int_arg(op, "top_k", top_k, 0)
+    num_experts = _int_arg(op, "num_experts", num_experts, 1)
+    tile_size = _int_arg(op, "tile_size", tile_size, 1)
     loc = resolve_local(local)
-    arrays = _empty_layout_arrays(int(num_tokens), int(top_k), loc.num_local(int(num_experts)), int(tile_size),
-                                  torch.device(device))
+    arrays = _empty_layout_arrays(num_tokens, top_k, loc.num_local(num_experts), tile_size, torch.device(device))
     return Layout(*arrays)
 
 
 def empty_workspace(num_tokens: int, top_k: int, num_experts: int, tile_size: int = 1, local: Any = None,
                     device: Any = "cpu") -> Tensor:
     """The uint8 workspace layout / route_and_layout need on `device` (empty on the CPU)."""
+    op = "empty_workspace"
+    num_tokens = _int_arg(op, "num_tokens", num_tokens, 0)
+    top_k = _int_arg(op, "top_k", top_k, 0)
+    num_experts = _int_arg(op, "num_experts", num_experts, 1)
+    tile_size = _int_arg(op, "tile_size", tile_size, 1)
     size = layout_workspace_size(num_tokens, top_k, num_experts, tile_size, local, device)
     return torch.empty(size, dtype=torch.uint8, device=torch.device(device))
 
@@ -726,5 +762,32 @@ def route_weights(logits: Tensor, topk_ids: Tensor, config: Union[RoutingConfig,
     _, _, pre, post, _, _, _, scale = cfg._op_args
     return _autograd.RouteWeights.apply(logits, topk_ids.long(), bias, pre, post, scale)
 
+
+def _eager_without_dynamo(opdef: Any) -> None:
+    """torch.library.custom_op wraps each kernel in torch._disable_dynamo, which imports
+    torch._dynamo (and with it the compiler stack: 1.7-2.8 s) on the first call of the op in a
+    process, also in plain eager code. While torch._dynamo is not imported nothing can trace
+    into the kernel, so until then the kernel is called directly; the first call after
+    torch._dynamo appears (torch.compile in use) hands over to torch's own wrapper for good.
+    Relies on torch internals (CustomOpDef._backend_fns, the `__dynamo_disable` cache of
+    torch._disable_dynamo); where they differ, nothing is changed."""
+    for inner in list(getattr(opdef, "_backend_fns", {}).values()):
+        target = getattr(inner, "__wrapped__", None)
+        if target is None or getattr(target, "__dynamo_disable", None) is not None:
+            continue
+
+        def direct(*args: Any, _target: Any = target, _inner: Any = inner, **kwargs: Any) -> Any:
+            if "torch._dynamo" not in sys.modules:
+                return _target(*args, **kwargs)
+            _target.__dict__.pop("__dynamo_disable", None)  # torch's wrapper caches its own on this call
+            return _inner(*args, **kwargs)
+
+        setattr(target, "__dynamo_disable", direct)
+
+
+for _opdef in (route_out, _route_functional, layout_out, _layout_functional, route_and_layout_out,
+               _route_and_layout_functional, gather_out, _gather_functional, _gather_scaled_functional, combine_out,
+               _combine_functional):
+    _eager_without_dynamo(_opdef)
 
 _autograd.register()

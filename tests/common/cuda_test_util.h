@@ -5,23 +5,13 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "cuda_unavailable.h"
+
 #include <cstddef>
 #include <string>
 #include <vector>
 
 namespace sy_test {
-
-// Empty when a CUDA device is usable; otherwise why not.
-inline std::string cuda_unavailable_reason() {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) return std::string("no usable CUDA device: ") + cudaGetErrorString(err);
-  if (n == 0) return "no CUDA device present";
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "cannot read CUDA device properties";
-  if (prop.major < 9) return "the CUDA backend is built for sm_90a; device 0 is sm_" + std::to_string(prop.major * 10 + prop.minor);
-  return "";
-}
 
 #define SY_SKIP_WITHOUT_GPU()                                                   \
   do {                                                                          \

@@ -102,3 +102,35 @@ def test_torch_route_baseline_matches(preset, skew):
         hot = bench.hot_expert(cfg.num_experts)
         assert int(logits.float().mean(0).argmax()) == hot
         assert bool((ids == hot).any(-1).all())
+
+
+def test_bench_bad_tokens_is_a_usage_error():
+    for bad in ("0,abc", "abc", "4,0", ","):
+        r = _run_cli("--tokens", bad, "--json", "")
+        assert r.returncode == 2, (bad, r.stdout, r.stderr)
+        assert "argument --tokens" in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+
+
+def test_bench_plot_without_matplotlib_fails_with_the_install_command():
+    # matplotlib made unimportable in the child (sys.modules[name] = None makes import fail).
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from switchyard.bench import main\n"
+            "sys.exit(main(['--smoke', '--json', '', '--quiet', '--plot', 'x.png']))\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp, timeout=600)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "pip install matplotlib" in r.stderr, r.stderr
+        assert not os.path.exists(os.path.join(tmp, "x.png"))
+
+
+def test_bench_table_flags_unstable_points_and_copy_above_100():
+    from switchyard.bench import markdown_table
+    base = {"preset": "deepseek-v3", "op": "gather", "skew": "uniform", "logit_dtype": None, "hidden_dtype": "bf16",
+            "hidden": 128, "tokens": 8, "bytes": 1e6, "gbps": 10.0, "floor_us": 1.0, "check": "match"}
+    steady = dict(base, median_us=10.0, p10_us=9.5, p90_us=10.5, spread=0.1, unstable=False, pct_copy=40.0,
+                  torch_median_us=20.0, torch_unstable=False, speedup=2.0)
+    shaky = dict(base, median_us=10.0, p10_us=2.0, p90_us=900.0, spread=89.8, unstable=True, pct_copy=250.0,
+                 torch_median_us=20.0, torch_unstable=True, speedup=2.0)
+    rows = markdown_table([steady, shaky]).splitlines()[2:]
+    assert "UNSTABLE" not in rows[0] and "?" not in rows[0] and "| 40% |" in rows[0]
+    assert "UNSTABLE" in rows[1] and "2.0x?" in rows[1] and ">100%*" in rows[1] and "250" not in rows[1]

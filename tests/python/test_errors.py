@@ -191,3 +191,33 @@ def test_cuda_build_missing_is_reported():
         pytest.skip("only meaningful with a GPU and a CPU-only build of the extension")
     with pytest.raises(sy.UnsupportedError, match="CUDA"):
         sy.route(_torch.randn(2, 8, device="cuda"), "mixtral-8x7b")
+
+
+def test_layout_argument_is_a_layout():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="gather: argument 'layout'"):
+        sy.gather(x, None)
+    with pytest.raises(TypeError, match="combine: argument 'layout'"):
+        sy.combine(x, (x, x))
+
+
+def test_sizes_are_ints_in_range():
+    cases = [
+        (ValueError, "'num_tokens'", lambda: sy.empty_layout(-1, 8, 256, 4)),
+        (ValueError, "'top_k'", lambda: sy.empty_layout(4, -1, 256, 4)),
+        (ValueError, "'num_experts'", lambda: sy.empty_layout(4, 8, 0, 4)),
+        (ValueError, "'tile_size'", lambda: sy.empty_layout(4, 8, 256, 0)),
+        (TypeError, "'tile_size'", lambda: sy.empty_layout(4, 8, 256, 2.5)),
+        (TypeError, "'num_tokens'", lambda: sy.empty_layout("4", 8, 256, 4)),
+        (TypeError, "'tile_size'", lambda: sy.empty_layout(4, 8, 256, True)),
+        (ValueError, "'tile_size'", lambda: sy.empty_workspace(4, 8, 256, 0)),
+        (TypeError, "'tile_size'", lambda: sy.layout(torch.zeros(4, 2, dtype=torch.int32), 8, tile_size=2.5)),
+        (TypeError, "'num_experts'", lambda: sy.layout(torch.zeros(4, 2, dtype=torch.int32), 8.0)),
+        (ValueError, "'config.tile_size'", lambda: sy.layout(torch.zeros(4, 2, dtype=torch.int32), 8, tile_size=0)),
+        (TypeError, "'tile_size'", lambda: sy.route_and_layout(torch.randn(4, 256), "deepseek-v3", tile_size=2.5)),
+    ]
+    for exc, name, call in cases:
+        with pytest.raises(exc, match=name):
+            call()
+    assert sy.empty_layout(4, 8, 256, 4).counts.shape == (256,)
+    assert sy.empty_layout(0, 8, 256, 1).expanded_to_permuted.shape == (0, 8)

@@ -401,3 +401,18 @@ def test_cuda_ops_run_on_the_current_stream():
     ids_ref, w_ref = sy.route(logits.cpu(), cfg)
     assert torch.equal(ids.cpu(), ids_ref) and torch.equal(w.cpu(), w_ref)
     check_layout(lay, ref.layout(ids_ref, 256, 8))
+
+
+def test_first_eager_call_does_not_load_the_compiler():
+    """torch.library.custom_op's kernels import torch._dynamo on their first call (seconds);
+    ops._eager_without_dynamo keeps that off the eager path until torch.compile is used."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, switchyard as sy\n"
+            "ids, w, lay = sy.route_and_layout(torch.randn(16, 160), 'deepseek-v2', tile_size=4)\n"
+            "y = sy.combine(sy.gather(torch.randn(16, 8), lay), lay, w)\n"
+            "sy.layout(ids, 160, out=sy.empty_layout(16, 6, 160))\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False", "an eager call imported torch._dynamo"

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/ep_test_config.h"
 #include "common/float_formats.h"
 #include "common/test_data.h"
 #include "switchyard/ep.h"
@@ -183,6 +184,7 @@ struct Case {
   bool accumulate = false;
   std::int64_t y_stride_extra = 0;
   std::vector<std::int64_t> T;  // tokens per rank; empty: random, with 0 and max_tokens forced
+  DType partial = DType::kFloat32;  // combine partial dtype
 };
 
 std::string describe(const Case& c) {
@@ -202,16 +204,8 @@ std::string describe(const Case& c) {
 }
 
 ep::GroupConfig make_config(const Case& c) {
-  ep::GroupConfig cfg;
-  cfg.num_ranks = c.R;
-  cfg.num_experts = c.R * c.L;
-  cfg.top_k = c.K;
-  cfg.max_tokens = c.max_tokens;
-  cfg.hidden = c.H;
-  cfg.dtype = c.dtype;
-  cfg.scale_cols = c.scale_cols;
-  cfg.tile_size = c.M;
-  cfg.timeout_seconds = 30.0;
+  ep::GroupConfig cfg = sy_test::ep_group_config(c, 30.0);
+  cfg.partial_dtype = c.partial;
   return cfg;
 }
 
@@ -770,6 +764,9 @@ Outs reference_combine(const World& w, const std::vector<RankY>& ys, bool expert
           } else {
             partial = load_as_float(y.dtype, y.data.data(), row * y.stride + h);
           }
+          if (w.cfg.partial_dtype == DType::kBFloat16) {  // each rank's partial travels as bf16
+            partial = sy_test::bf16_value(sy_test::bf16_bits(partial));
+          }
           sum = have ? sum + partial : partial;
           have = true;
         }
@@ -909,6 +906,7 @@ TEST(EpCpuConfig, InvalidFieldsAreNamed) {
       {"hidden", [](ep::GroupConfig* c) { c->hidden = 0; }},
       {"hidden", [](ep::GroupConfig* c) { c->hidden = -1; }},
       {"dtype", [](ep::GroupConfig* c) { c->dtype = DType::kInt32; }},
+      {"partial_dtype", [](ep::GroupConfig* c) { c->partial_dtype = DType::kFloat16; }},
       {"scale_cols", [](ep::GroupConfig* c) { c->scale_cols = 2; }},  // neither 1 nor ceil(300/128) = 3
       {"scale_cols", [](ep::GroupConfig* c) { c->scale_cols = -1; }},
       {"scale_cols",
@@ -1072,6 +1070,29 @@ TEST(EpCpuCombine, AllDtypesBitExact) {
         run_and_check_combine(w, false, y, o, acc, 0, g);
       }
     }
+  }
+}
+
+// bf16 partials: each rank's fp32 partial is rounded to bf16 before the source sums them.
+TEST(EpCpuCombine, Bf16PartialsRoundEachRank) {
+  const std::uint64_t seed = sy_test::test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  Case c;
+  c.R = 4;
+  c.L = 2;
+  c.K = 3;
+  c.M = 3;
+  c.max_tokens = 17;
+  c.H = 20;
+  c.expert_major = true;
+  c.partial = DType::kBFloat16;
+  World w;
+  ASSERT_TRUE(w.setup(c, g()));
+  ASSERT_EQ(w.cfg.partial_dtype, DType::kBFloat16);
+  for (const DType o : kFloatDtypes) {
+    run_and_check_combine(w, true, DType::kFloat32, o, false, 0, g);
+    run_and_check_combine(w, false, DType::kFloat32, o, true, 1, g);
   }
 }
 

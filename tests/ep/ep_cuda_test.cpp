@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/cuda_test_util.h"
+#include "common/ep_test_config.h"
 #include "common/float_formats.h"
 #include "common/test_data.h"
 #include "switchyard/ep.h"
@@ -73,16 +74,7 @@ std::string describe(const Case& c) {
 }
 
 ep::GroupConfig make_config(const Case& c, double timeout = 20.0) {
-  ep::GroupConfig cfg;
-  cfg.num_ranks = c.R;
-  cfg.num_experts = c.R * c.L;
-  cfg.top_k = c.K;
-  cfg.max_tokens = c.max_tokens;
-  cfg.hidden = c.H;
-  cfg.dtype = c.dtype;
-  cfg.scale_cols = c.scale_cols;
-  cfg.tile_size = c.M;
-  cfg.timeout_seconds = timeout;
+  ep::GroupConfig cfg = sy_test::ep_group_config(c, timeout);
   cfg.partial_dtype = c.partial;
   return cfg;
 }

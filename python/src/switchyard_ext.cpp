@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -242,6 +244,7 @@ NB_MODULE(_ext, m) {
       .def_rw("scale_cols", &ep::GroupConfig::scale_cols)
       .def_rw("tile_size", &ep::GroupConfig::tile_size)
       .def_rw("timeout_seconds", &ep::GroupConfig::timeout_seconds)
+      .def_rw("partial_dtype", &ep::GroupConfig::partial_dtype)
       .def_prop_ro("experts_per_rank", &ep::GroupConfig::experts_per_rank);
   m.def(
       "ep_validate", [](const ep::GroupConfig& c) { return ep::validate(c); }, "config"_a);
@@ -269,7 +272,8 @@ NB_MODULE(_ext, m) {
       .def_rw("stats", &ep::DispatchOutputs::stats)
       .def_rw("layout", &ep::DispatchOutputs::layout)
       .def_rw("expert_x", &ep::DispatchOutputs::expert_x)
-      .def_rw("expert_scales", &ep::DispatchOutputs::expert_scales);
+      .def_rw("expert_scales", &ep::DispatchOutputs::expert_scales)
+      .def_rw("handle_memory", &ep::DispatchOutputs::handle_memory);
   nb::class_<ep::CombineInputs>(m, "EpCombineInputs")
       .def(nb::init<>())
       .def_rw("expert_major", &ep::CombineInputs::expert_major)
@@ -291,4 +295,93 @@ NB_MODULE(_ext, m) {
       .def("combine", &ep::CpuGroup::combine, "rank"_a, "handle"_a, "inputs"_a, "out"_a, "accumulate"_a,
            release())
       .def("broken_reason", &ep::CpuGroup::broken_reason);
+
+  // The GPU transport (ep.h GpuGroup). Its calls only enqueue on the stream they are given
+  // (the integer handle of a torch CUDA stream), so they release the GIL like the other CUDA
+  // calls; received_rows may wait for the host-visible count, also without the GIL. In builds
+  // without the CUDA backend the C++ stubs return Unsupported, which the Python side raises.
+  m.def("ep_handle_bytes", &ep::handle_bytes, "config"_a);
+  m.def("ep_region_bytes", &ep::GpuGroup::region_bytes, "config"_a);
+  nb::class_<ep::GpuOptions>(m, "EpGpuOptions")
+      .def(nb::init<>())
+      .def_rw("worst_case", &ep::GpuOptions::worst_case)
+      .def_rw("num_sms", &ep::GpuOptions::num_sms)
+      .def_rw("hardware_queues", &ep::GpuOptions::hardware_queues);
+  nb::class_<ep::GpuGroup>(m, "EpGpuGroup")
+      // Returns (Status, group or None): creation failing is an ordinary Status here, as a
+      // CPU-only build's Unsupported must reach Python as UnsupportedError.
+      .def_static(
+          "create_loopback",
+          [](const ep::GroupConfig& c, const ep::GpuOptions& o, int device) {
+            std::unique_ptr<ep::GpuGroup> group;
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = ep::GpuGroup::create_loopback(c, o, device, &group);
+            }
+            return std::make_pair(s, std::move(group));
+          },
+          "config"_a, "options"_a, "device"_a)
+      // all_gather: a Python callable taking this rank's bytes and returning every rank's,
+      // concatenated by rank (R times as many). It runs on this thread with the GIL held (the
+      // C++ call keeps the GIL: the callable is Python). An exception it raises is re-raised
+      // here after create_ipc returns.
+      .def_static(
+          "create_ipc",
+          [](const ep::GroupConfig& c, const ep::GpuOptions& o, int rank, nb::callable all_gather) {
+            std::unique_ptr<nb::python_error> raised;
+            const int R = c.num_ranks;
+            ep::AllGather gather = [&](const void* send, std::size_t bytes, void* recv) -> Status {
+              try {
+                nb::bytes mine(static_cast<const char*>(send), bytes);
+                nb::object got = all_gather(mine);
+                if (!nb::isinstance<nb::bytes>(got)) {
+                  return Status::InvalidArgument("ep ipc group: the all_gather callable must return bytes, got " +
+                                                 std::string(nb::type_name(got.type()).c_str()));
+                }
+                nb::bytes all = nb::borrow<nb::bytes>(got);
+                const std::size_t want = bytes * static_cast<std::size_t>(R);
+                if (all.size() != want) {
+                  return Status::InvalidArgument("ep ipc group: the all_gather callable returned " +
+                                                 std::to_string(all.size()) + " bytes, expected " +
+                                                 std::to_string(want) + " (num_ranks x " + std::to_string(bytes) +
+                                                 "); is num_ranks the process group's size?");
+                }
+                std::memcpy(recv, all.c_str(), want);
+                return Status::Ok();
+              } catch (nb::python_error& e) {
+                raised = std::make_unique<nb::python_error>(std::move(e));
+                return Status::Internal("ep ipc group: the all_gather callable raised");
+              }
+            };
+            std::unique_ptr<ep::GpuGroup> group;
+            Status s = ep::GpuGroup::create_ipc(c, o, rank, gather, &group);
+            if (raised) throw std::move(*raised);
+            return std::make_pair(s, std::move(group));
+          },
+          "config"_a, "options"_a, "rank"_a, "all_gather"_a)
+      .def("is_local", &ep::GpuGroup::is_local, "rank"_a)
+      .def(
+          "dispatch",
+          [](ep::GpuGroup& g, int rank, const ep::DispatchInputs& in, const ep::DispatchOutputs& out,
+             ep::Handle* handle, bool reuse, std::uintptr_t stream) {
+            return g.dispatch(rank, in, out, handle, reuse, as_stream(stream));
+          },
+          "rank"_a, "inputs"_a, "outputs"_a, "handle"_a, "reuse"_a, "stream"_a, release())
+      .def(
+          "combine",
+          [](ep::GpuGroup& g, int rank, const ep::Handle& handle, const ep::CombineInputs& in,
+             const TensorView& out, bool accumulate, std::uintptr_t stream) {
+            return g.combine(rank, handle, in, out, accumulate, as_stream(stream));
+          },
+          "rank"_a, "handle"_a, "inputs"_a, "out"_a, "accumulate"_a, "stream"_a, release())
+      .def(
+          "received_rows",
+          [](ep::GpuGroup& g, int rank) {
+            std::int64_t rows = 0;
+            Status s = g.received_rows(rank, &rows);
+            return std::make_pair(s, rows);
+          },
+          "rank"_a, release())
+      .def("check", &ep::GpuGroup::check, "rank"_a);
 }

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -234,6 +235,10 @@ def _cuda_device(what: str, device: Any) -> torch.device:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
+def _is_latest(ref: Any, d: Any) -> bool:
+    return ref is not None and ref() is d
+
+
 class GpuDispatched:
     """One rank's dispatch on a GPU group. The calls only enqueue, so nothing here is trimmed to
     the received rows: the rank-major tensors have the full capacity (max_recv_rows rows; rows
@@ -267,10 +272,10 @@ class GpuDispatched:
 
     @property
     def rows(self) -> int:
-        """Rows this rank received: received_rows() in exact mode (worst_case=False), else
-        stats[0] read back (synchronizes the current stream)."""
-        if not self._group.worst_case:
-            return self._group.received_rows(self._rank)
+        """Rows this rank received: received_rows() in exact mode (worst_case=False) for the
+        rank's latest dispatch, else stats[0] read back (synchronizes the current stream)."""
+        if not self._group.worst_case and _is_latest(self._group._latest.get(self._rank), self):
+            return self._group.received_rows(self._rank)  # the rank's latest dispatch: no stream sync
         return self._read_stat(_ext.EP_RECV_ROWS)
 
     @property
@@ -312,6 +317,7 @@ class _GpuGroupBase:
         self.handle_bytes = int(_ext.ep_handle_bytes(config))
         self.region_bytes = int(_ext.ep_region_bytes(config))
         self._broken: Any = None  # the first error Status, once the group is broken
+        self._latest: dict = {}  # rank -> weakref to its latest GpuDispatched (exact mode's received_rows)
 
     # Overridden: the ranks this process drives, the stream a rank's call goes on, and what
     # happens around the call.
@@ -438,8 +444,10 @@ class _GpuGroupBase:
             self._fail(status)
         if deferred:
             check_status(self._broken)
-        return GpuDispatched(self, rank, round_id, out_x, out_scales, src_rank, src_token, out_ids, out_w, stats,
-                             lay, expert_x, expert_scales, h)
+        d = GpuDispatched(self, rank, round_id, out_x, out_scales, src_rank, src_token, out_ids, out_w, stats, lay,
+                          expert_x, expert_scales, h)
+        self._latest[rank] = weakref.ref(d)  # weak: the outputs are the caller's to free
+        return d
 
     def combine(self, rank: int, handle: Any, y: Tensor, *, expert_major: bool = True,
                 out: Optional[Tensor] = None, accumulate: bool = False,

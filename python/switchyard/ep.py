@@ -67,6 +67,66 @@ def _group_config(num_ranks: int, num_experts: int, top_k: int, max_tokens: int,
     return c
 
 
+@dataclasses.dataclass
+class _DispatchBuffers:
+    """One dispatch call's argument views and the output tensors they point at."""
+
+    inputs: Any
+    outputs: Any
+    out_x: Tensor
+    out_scales: Optional[Tensor]
+    src_rank: Tensor
+    src_token: Tensor
+    out_ids: Tensor
+    out_w: Tensor
+    stats: Tensor
+    layout: Optional["Layout"]
+    expert_x: Optional[Tensor]
+    expert_scales: Optional[Tensor]
+
+    def tensors(self) -> List[Optional[Tensor]]:
+        return [self.out_x, self.out_scales, self.src_rank, self.src_token, self.out_ids, self.out_w, self.stats,
+                self.expert_x, self.expert_scales] + (list(self.layout) if self.layout is not None else [])
+
+
+def _dispatch_buffers(op: str, c: Any, dtype: torch.dtype, sizes: tuple, new: Callable[..., Tensor],
+                      x: Tensor, topk_ids: Tensor, topk_weights: Tensor, scales: Optional[Tensor],
+                      expert_major: bool) -> _DispatchBuffers:
+    """New outputs of one dispatch (sizes = (N, P) capacities; new(*shape, dtype=) allocates) and
+    the C++ argument structs viewing them and the inputs."""
+    N, P = sizes
+    H, K, L = c.hidden, c.top_k, c.experts_per_rank
+    out_x = new(N, H, dtype=dtype)
+    out_scales = new(N, c.scale_cols, dtype=torch.float32) if c.scale_cols > 0 else None
+    src_rank, src_token = new(N), new(N)
+    out_ids, out_w = new(N, K), new(N, K, dtype=torch.float32)
+    stats = new(_ext.EP_NUM_STATS, dtype=torch.int64).zero_()
+    i = _ext.EpDispatchInputs()
+    i.x = _view(op, "x", x)
+    i.scales = _view(op, "scales", scales)
+    i.topk_ids = _view(op, "topk_ids", topk_ids)
+    i.topk_weights = _view(op, "topk_weights", topk_weights)
+    o = _ext.EpDispatchOutputs()
+    o.x = _view(op, "out.x", out_x)
+    o.scales = _view(op, "out.scales", out_scales)
+    o.src_rank = _view(op, "out.src_rank", src_rank)
+    o.src_token = _view(op, "out.src_token", src_token)
+    o.topk_ids = _view(op, "out.topk_ids", out_ids)
+    o.topk_weights = _view(op, "out.topk_weights", out_w)
+    o.stats = _view(op, "out.stats", stats)
+    lay = expert_x = expert_scales = None
+    if expert_major:
+        tiles = max_tiles(N, K, L, c.tile_size)
+        lay = Layout(new(L), new(L + 1), new(P), new(P), new(N, K), new(tiles), new(tiles), new(3))
+        expert_x = new(P, H, dtype=dtype)
+        expert_scales = new(P, c.scale_cols, dtype=torch.float32) if c.scale_cols > 0 else None
+        o.layout = _layout_view(op, "out.layout.", lay)
+        o.expert_x = _view(op, "out.expert_x", expert_x)
+        o.expert_scales = _view(op, "out.expert_scales", expert_scales)
+    return _DispatchBuffers(i, o, out_x, out_scales, src_rank, src_token, out_ids, out_w, stats, lay, expert_x,
+                            expert_scales)
+
+
 class Handle:
     """What combine needs from a dispatch (who sent which token where), for one rank."""
 
@@ -138,38 +198,15 @@ class CpuGroup:
         checked to be the same (a GPU transport then skips its count exchange)."""
         c = self._config
         op = f"ep dispatch (rank {rank})"
-        N, P, H, K, L = self.max_recv_rows, self.max_expert_rows, c.hidden, c.top_k, c.experts_per_rank
 
         def new(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
             return torch.empty(shape, dtype=dtype)
 
-        out_x = new(N, H, dtype=self._dtype)
-        out_scales = new(N, c.scale_cols, dtype=torch.float32) if c.scale_cols > 0 else None
-        src_rank, src_token = new(N), new(N)
-        out_ids, out_w = new(N, K), new(N, K, dtype=torch.float32)
-        stats = torch.zeros(_ext.EP_NUM_STATS, dtype=torch.int64)
-        i = _ext.EpDispatchInputs()
-        i.x = _view(op, "x", x)
-        i.scales = _view(op, "scales", scales)
-        i.topk_ids = _view(op, "topk_ids", topk_ids)
-        i.topk_weights = _view(op, "topk_weights", topk_weights)
-        o = _ext.EpDispatchOutputs()
-        o.x = _view(op, "out.x", out_x)
-        o.scales = _view(op, "out.scales", out_scales)
-        o.src_rank = _view(op, "out.src_rank", src_rank)
-        o.src_token = _view(op, "out.src_token", src_token)
-        o.topk_ids = _view(op, "out.topk_ids", out_ids)
-        o.topk_weights = _view(op, "out.topk_weights", out_w)
-        o.stats = _view(op, "out.stats", stats)
-        lay = expert_x = expert_scales = None
-        if expert_major:
-            tiles = max_tiles(N, K, L, c.tile_size)
-            lay = Layout(new(L), new(L + 1), new(P), new(P), new(N, K), new(tiles), new(tiles), new(3))
-            expert_x = new(P, H, dtype=self._dtype)
-            expert_scales = new(P, c.scale_cols, dtype=torch.float32) if c.scale_cols > 0 else None
-            o.layout = _layout_view(op, "out.layout.", lay)
-            o.expert_x = _view(op, "out.expert_x", expert_x)
-            o.expert_scales = _view(op, "out.expert_scales", expert_scales)
+        b = _dispatch_buffers(op, c, self._dtype, (self.max_recv_rows, self.max_expert_rows), new, x, topk_ids,
+                              topk_weights, scales, expert_major)
+        i, o, out_x, out_scales = b.inputs, b.outputs, b.out_x, b.out_scales
+        src_rank, src_token, out_ids, out_w, stats = b.src_rank, b.src_token, b.out_ids, b.out_w, b.stats
+        lay, expert_x, expert_scales = b.layout, b.expert_x, b.expert_scales
         if reuse and not isinstance(handle, Handle):
             raise ValueError(f"{op}: argument 'handle': reuse needs the Handle of an earlier dispatch")
         h = Handle(handle._cpp if reuse else _ext.EpHandle(), int(x.shape[0]) if isinstance(x, Tensor) else 0)
@@ -396,7 +433,7 @@ class _GpuGroupBase:
         rank = self._check_rank(op, rank)
         deferred = self._admit("dispatch", rank)
         c = self._config
-        N, P, H, K, L = self.max_recv_rows, self.max_expert_rows, c.hidden, c.top_k, c.experts_per_rank
+        N, P = self.max_recv_rows, self.max_expert_rows
         dev = self.device
         if reuse and not (isinstance(handle, Handle) and handle.memory is not None):
             raise ValueError(f"{op}: argument 'handle': reuse needs the Handle of an earlier dispatch of this group")
@@ -405,40 +442,16 @@ class _GpuGroupBase:
             return torch.empty(shape, dtype=dtype, device=dev)
 
         with torch.cuda.device(dev):
-            out_x = new(N, H, dtype=self._dtype)
-            out_scales = new(N, c.scale_cols, dtype=torch.float32) if c.scale_cols > 0 else None
-            src_rank, src_token = new(N), new(N)
-            out_ids, out_w = new(N, K), new(N, K, dtype=torch.float32)
-            stats = torch.zeros(_ext.EP_NUM_STATS, dtype=torch.int64, device=dev)
+            b = _dispatch_buffers(op, c, self._dtype, (N, P), new, x, topk_ids, topk_weights, scales, expert_major)
+            i, o, out_x, out_scales = b.inputs, b.outputs, b.out_x, b.out_scales
+            src_rank, src_token, out_ids, out_w, stats = b.src_rank, b.src_token, b.out_ids, b.out_w, b.stats
+            lay, expert_x, expert_scales = b.layout, b.expert_x, b.expert_scales
             # Handle memory: handle_bytes, 16-byte aligned (the caching allocator aligns to 512).
             memory = handle.memory if reuse else new((self.handle_bytes + 3) // 4)
-            i = _ext.EpDispatchInputs()
-            i.x = _view(op, "x", x)
-            i.scales = _view(op, "scales", scales)
-            i.topk_ids = _view(op, "topk_ids", topk_ids)
-            i.topk_weights = _view(op, "topk_weights", topk_weights)
-            o = _ext.EpDispatchOutputs()
-            o.x = _view(op, "out.x", out_x)
-            o.scales = _view(op, "out.scales", out_scales)
-            o.src_rank = _view(op, "out.src_rank", src_rank)
-            o.src_token = _view(op, "out.src_token", src_token)
-            o.topk_ids = _view(op, "out.topk_ids", out_ids)
-            o.topk_weights = _view(op, "out.topk_weights", out_w)
-            o.stats = _view(op, "out.stats", stats)
             o.handle_memory = _view(op, "handle memory", memory)
-            lay = expert_x = expert_scales = None
-            if expert_major:
-                tiles = max_tiles(N, K, L, c.tile_size)
-                lay = Layout(new(L), new(L + 1), new(P), new(P), new(N, K), new(tiles), new(tiles), new(3))
-                expert_x = new(P, H, dtype=self._dtype)
-                expert_scales = new(P, c.scale_cols, dtype=torch.float32) if c.scale_cols > 0 else None
-                o.layout = _layout_view(op, "out.layout.", lay)
-                o.expert_x = _view(op, "out.expert_x", expert_x)
-                o.expert_scales = _view(op, "out.expert_scales", expert_scales)
             h = Handle(handle._cpp if reuse else _ext.EpHandle(), int(x.shape[0]), memory)
             round_id = self._begin(op, "dispatch", rank)
-            tensors = [x, scales, topk_ids, topk_weights, out_x, out_scales, src_rank, src_token, out_ids, out_w,
-                       stats, memory, expert_x, expert_scales] + (list(lay) if lay is not None else [])
+            tensors = [x, scales, topk_ids, topk_weights, memory] + b.tensors()
             status = self._enqueue(rank, lambda s: self._group.dispatch(rank, i, o, h._cpp, bool(reuse), s), tensors)
         if not status.ok:
             self._fail(status)

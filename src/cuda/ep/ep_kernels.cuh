@@ -20,13 +20,12 @@
 // Every kernel returns at once when the rank's status word holds an error (the group is broken).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "common/ep_memory.h"
+#include "cuda/common/element_formats.cuh"
 
 namespace switchyard::ep::gpu {
 
@@ -331,8 +330,9 @@ __device__ __forceinline__ void copy_to_each(const unsigned char* src, std::int6
   }
 }
 
-template <typename V>
+template <int kVecBytes>
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(SendParams p) {
+  using V = typename cuda::VecType<kVecBytes>::type;
   const Ctx& c = p.c;
   if (is_broken(c)) return;
   const Shape& s = p.s;
@@ -569,8 +569,9 @@ struct CopyParams {
   float* expert_scales = nullptr;
 };
 
-template <typename V>
+template <int kVecBytes>
 __global__ void __launch_bounds__(kThreads) dispatch_copy_kernel(CopyParams p) {
+  using V = typename cuda::VecType<kVecBytes>::type;
   const Ctx& c = p.c;
   if (is_broken(c)) return;
   const Shape& s = p.s;
@@ -707,33 +708,18 @@ struct CombineSendParams {
   const char* handle = nullptr;
 };
 
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-
 // kVec elements of type T as one aligned load or store.
 template <typename T, int kVec>
 struct alignas(sizeof(T) * kVec) Pack {
   T v[kVec];
 };
 
-// Y: input dtype, P: partial dtype, kVec: columns per lane and step (H % kVec == 0, rows aligned).
-template <typename Y, typename P, int kVec>
+// YF: input format, PF: partial format (cuda/common/element_formats.cuh), kVec: columns per lane
+// and step (H % kVec == 0, rows aligned).
+template <typename YF, typename PF, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(CombineSendParams p) {
+  using Y = typename YF::Storage;
+  using P = typename PF::Storage;
   const Ctx& c = p.c;
   if (is_broken(c)) return;
   const Shape& s = p.s;
@@ -769,16 +755,16 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(CombineSendParam
             const float w = row_w[static_cast<std::int64_t>(i) * K + k];
             const Pack<Y, kVec> in = *reinterpret_cast<const Pack<Y, kVec>*>(y + row * p.y_row_stride + col);
 #pragma unroll
-            for (int v = 0; v < kVec; ++v) acc[v] = __fmaf_rn(w, to_float(in.v[v]), acc[v]);
+            for (int v = 0; v < kVec; ++v) acc[v] = __fmaf_rn(w, YF::to_float(in.v[v]), acc[v]);
           }
         } else {
           const Pack<Y, kVec> in = *reinterpret_cast<const Pack<Y, kVec>*>(y + static_cast<std::int64_t>(i) * p.y_row_stride + col);
 #pragma unroll
-          for (int v = 0; v < kVec; ++v) acc[v] = to_float(in.v[v]);
+          for (int v = 0; v < kVec; ++v) acc[v] = YF::to_float(in.v[v]);
         }
         Pack<P, kVec> out;
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) out.v[v] = from_float<P>(acc[v]);
+        for (int v = 0; v < kVec; ++v) out.v[v] = PF::from_float(acc[v]);
         *reinterpret_cast<Pack<P, kVec>*>(dst + col) = out;
       }
     }
@@ -801,8 +787,10 @@ struct CombineReceiveParams {
   void* out = nullptr;  // [T, H] contiguous
 };
 
-template <typename P, typename O, int kVec>
+template <typename PF, typename OF, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_receive_kernel(CombineReceiveParams p) {
+  using P = typename PF::Storage;
+  using O = typename OF::Storage;
   const Ctx& c = p.c;
   if (is_broken(c)) return;
   const Shape& s = p.s;
@@ -844,17 +832,17 @@ __global__ void __launch_bounds__(kThreads) combine_receive_kernel(CombineReceiv
         const Pack<P, kVec> in =
             load_cg(reinterpret_cast<const Pack<P, kVec>*>(partials + (static_cast<std::int64_t>(j) * s.max_tokens + t) * H + col));
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) sum[v] = j == 0 ? to_float(in.v[v]) : sum[v] + to_float(in.v[v]);
+        for (int v = 0; v < kVec; ++v) sum[v] = j == 0 ? PF::to_float(in.v[v]) : sum[v] + PF::to_float(in.v[v]);
       }
       O* o = out + static_cast<std::int64_t>(t) * H + col;
       Pack<O, kVec> res;
       if (p.accumulate) {
         const Pack<O, kVec> prev = *reinterpret_cast<const Pack<O, kVec>*>(o);
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) res.v[v] = from_float<O>(sum[v] + to_float(prev.v[v]));
+        for (int v = 0; v < kVec; ++v) res.v[v] = OF::from_float(sum[v] + OF::to_float(prev.v[v]));
       } else {
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) res.v[v] = from_float<O>(sum[v]);
+        for (int v = 0; v < kVec; ++v) res.v[v] = OF::from_float(sum[v]);
       }
       *reinterpret_cast<Pack<O, kVec>*>(o) = res;
     }

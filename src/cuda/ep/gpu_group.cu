@@ -14,6 +14,7 @@
 #include "api/ep_checks.h"
 #include "common/ep_memory.h"
 #include "common/validate.h"
+#include "cuda/common/launch.cuh"
 #include "cuda/ep/ep_kernels.cuh"
 #include "switchyard/ep.h"
 #include "switchyard/layout.h"
@@ -107,32 +108,35 @@ int row_vector_bytes(std::initializer_list<std::uint64_t> values) {
   return 1;
 }
 
+// fn(Format{}) for a float dtype (checked before), returning its Status.
 template <typename F>
-Status with_row_vector(int bytes, F f) {
-  switch (bytes) {
-    case 16:
-      return f(uint4{});
-    case 8:
-      return f(uint2{});
-    case 4:
-      return f(0u);
-    case 2:
-      return f(static_cast<unsigned short>(0));
-    default:
-      return f(static_cast<unsigned char>(0));
-  }
+Status with_format(DType dtype, F f) {
+  Status st = Status::Internal(std::string("ep gpu group: no float format for ") + dtype_name(dtype));
+  cuda::with_float_format(dtype, [&](auto format) { st = f(format); });
+  return st;
 }
 
+// fn(Format{}) for the combine partial dtype: fp32 or bf16 (validate() admits no other).
 template <typename F>
-Status with_float_type(DType t, F f) {
-  switch (t) {
-    case DType::kBFloat16:
-      return f(__nv_bfloat16{});
-    case DType::kFloat16:
-      return f(__half{});
-    default:
-      return f(0.0f);
-  }
+Status with_partial_format(DType partial_dtype, F f) {
+  return partial_dtype == DType::kBFloat16 ? f(cuda::Bf16Format{}) : f(cuda::Fp32Format{});
+}
+
+// The row vector width (bytes) as a template constant.
+template <typename F>
+Status with_row_vector(int bytes, F f) {
+  return cuda::dispatch_value<1, 2, 4, 8, 16>("ep row vector bytes", bytes, f);
+}
+
+// The layout of a rank's received rows: its L local experts, tile M, blocks that never wait for
+// each other (peers' transport kernels may hold SMs meanwhile).
+LayoutConfig received_rows_layout(const GroupConfig& c) {
+  LayoutConfig lc;
+  lc.num_experts = c.experts_per_rank();
+  lc.local = LocalExperts::all();
+  lc.tile_size = c.tile_size;
+  lc.independent_blocks = true;
+  return lc;
 }
 
 template <typename Kernel, typename Params>
@@ -152,23 +156,23 @@ Status preload_kernels() {
   SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::dispatch_receive_kernel)));
   for (int b : {16, 8, 4, 2, 1}) {
     SY_RETURN_IF_ERROR(with_row_vector(b, [&](auto v) {
-      using V = decltype(v);
-      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::dispatch_send_kernel<V>)));
-      return load(reinterpret_cast<const void*>(gpu::dispatch_copy_kernel<V>));
+      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::dispatch_send_kernel<decltype(v)::value>)));
+      return load(reinterpret_cast<const void*>(gpu::dispatch_copy_kernel<decltype(v)::value>));
     }));
   }
   for (DType y : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-    SY_RETURN_IF_ERROR(with_float_type(y, [&](auto yv) {
-      using Y = decltype(yv);
-      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_send_kernel<Y, float, 8>)));
-      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_send_kernel<Y, float, 1>)));
-      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_send_kernel<Y, __nv_bfloat16, 8>)));
-      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_send_kernel<Y, __nv_bfloat16, 1>)));
-      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_receive_kernel<float, Y, 8>)));
-      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_receive_kernel<float, Y, 1>)));
-      SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_receive_kernel<__nv_bfloat16, Y, 8>)));
-      return load(reinterpret_cast<const void*>(gpu::combine_receive_kernel<__nv_bfloat16, Y, 1>));
-    }));
+    for (DType partial : {DType::kFloat32, DType::kBFloat16}) {
+      SY_RETURN_IF_ERROR(with_format(y, [&](auto yf) {
+        return with_partial_format(partial, [&](auto pf) {
+          using YF = decltype(yf);
+          using PF = decltype(pf);
+          SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_send_kernel<YF, PF, 8>)));
+          SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_send_kernel<YF, PF, 1>)));
+          SY_RETURN_IF_ERROR(load(reinterpret_cast<const void*>(gpu::combine_receive_kernel<PF, YF, 8>)));
+          return load(reinterpret_cast<const void*>(gpu::combine_receive_kernel<PF, YF, 1>));
+        });
+      }));
+    }
   }
   return Status::Ok();
 }
@@ -271,11 +275,7 @@ Status init_state(GpuGroup::State& s, const GroupConfig& config, const GpuOption
 
     // Expert-major scratch: one allocation carved into the layout's arrays.
     LayoutScratch& ls = rk.layout;
-    LayoutConfig lc;
-    lc.num_experts = L;
-    lc.local = LocalExperts::all();
-    lc.tile_size = config.tile_size;
-    lc.independent_blocks = true;  // peers' transport kernels may hold SMs meanwhile
+    const LayoutConfig lc = received_rows_layout(config);
     SY_RETURN_IF_ERROR(layout_workspace_size(lc, N, K, Device::cuda(device), &ls.workspace_bytes));
     const std::int64_t ints[] = {N * K, L, L + 1, P, P, N * K, tiles, tiles, kNumTotals};
     std::int64_t total_ints = 0;
@@ -564,8 +564,7 @@ Status GpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
     sp.handle = hmem;
   }
   SY_RETURN_IF_ERROR(with_row_vector(vec, [&](auto v) {
-    using V = decltype(v);
-    return launch(gpu::dispatch_send_kernel<V>, s.blocks, gpu::kThreads, sp, stream, "dispatch_send");
+    return launch(gpu::dispatch_send_kernel<decltype(v)::value>, s.blocks, gpu::kThreads, sp, stream, "dispatch_send");
   }));
 
   gpu::ReceiveParams rp;
@@ -587,13 +586,8 @@ Status GpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
 
   LayoutScratch& ls = rk.layout;
   if (expert_major) {
-    LayoutConfig lc;
-    lc.num_experts = sh.L;
-    lc.local = LocalExperts::all();
-    lc.tile_size = c.tile_size;
-    lc.independent_blocks = true;
     const std::int64_t N = max_recv_rows(c);
-    SY_RETURN_IF_ERROR(layout(lc, TensorView::of(ls.ids, DType::kInt32, {N, c.top_k}, dev), ls.view, ls.workspace,
+    SY_RETURN_IF_ERROR(layout(received_rows_layout(c), TensorView::of(ls.ids, DType::kInt32, {N, c.top_k}, dev), ls.view, ls.workspace,
                               ls.workspace_bytes, stream));
   }
 
@@ -630,8 +624,7 @@ Status GpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
     cp.expert_scales = c.scale_cols > 0 ? static_cast<float*>(out.expert_scales.data) : nullptr;
   }
   SY_RETURN_IF_ERROR(with_row_vector(vec, [&](auto v) {
-    using V = decltype(v);
-    return launch(gpu::dispatch_copy_kernel<V>, s.blocks, gpu::kThreads, cp, stream, "dispatch_copy");
+    return launch(gpu::dispatch_copy_kernel<decltype(v)::value>, s.blocks, gpu::kThreads, cp, stream, "dispatch_copy");
   }));
   if (bad) return own;
   auto plan = std::make_shared<Handle::Plan>();
@@ -723,17 +716,16 @@ Status GpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
   }
   const DType y_dtype = bad ? DType::kFloat32 : in.y.dtype;
   const DType out_dtype = bad ? DType::kFloat32 : out.dtype;
-  // The partial dtype and the vector width as template arguments of `kernel_for`'s kernel.
+  // The partial format and the vector width as template arguments of `kernel_for`'s kernel.
   auto launch_typed = [&](auto kernel_for, const auto& params, const char* name) {
-    auto go = [&](auto pv) {
-      return vec8 ? launch(kernel_for(pv, std::integral_constant<int, 8>{}), s.blocks, gpu::kThreads, params, stream, name)
-                  : launch(kernel_for(pv, std::integral_constant<int, 1>{}), s.blocks, gpu::kThreads, params, stream, name);
-    };
-    return c.partial_dtype == DType::kBFloat16 ? go(__nv_bfloat16{}) : go(0.0f);
+    return with_partial_format(c.partial_dtype, [&](auto pf) {
+      return vec8 ? launch(kernel_for(pf, std::integral_constant<int, 8>{}), s.blocks, gpu::kThreads, params, stream, name)
+                  : launch(kernel_for(pf, std::integral_constant<int, 1>{}), s.blocks, gpu::kThreads, params, stream, name);
+    });
   };
-  SY_RETURN_IF_ERROR(with_float_type(y_dtype, [&](auto yv) {
-    using Y = decltype(yv);
-    return launch_typed([](auto pv, auto vec) { return gpu::combine_send_kernel<Y, decltype(pv), decltype(vec)::value>; },
+  SY_RETURN_IF_ERROR(with_format(y_dtype, [&](auto yf) {
+    using YF = decltype(yf);
+    return launch_typed([](auto pf, auto vec) { return gpu::combine_send_kernel<YF, decltype(pf), decltype(vec)::value>; },
                         sp, "combine_send");
   }));
 
@@ -747,9 +739,9 @@ Status GpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
     rp.handle = hmem;
     rp.out = out.data;
   }
-  SY_RETURN_IF_ERROR(with_float_type(out_dtype, [&](auto ov) {
-    using O = decltype(ov);
-    return launch_typed([](auto pv, auto vec) { return gpu::combine_receive_kernel<decltype(pv), O, decltype(vec)::value>; },
+  SY_RETURN_IF_ERROR(with_format(out_dtype, [&](auto of) {
+    using OF = decltype(of);
+    return launch_typed([](auto pf, auto vec) { return gpu::combine_receive_kernel<decltype(pf), OF, decltype(vec)::value>; },
                         rp, "combine_receive");
   }));
   return own;

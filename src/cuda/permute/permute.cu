@@ -253,24 +253,6 @@ Status combine_formats(const detail::CombineArgs& a, Stream stream) {
   });
 }
 
-// Calls fn(Format{}) for a bf16 / fp16 / fp32 dtype; false for any other.
-template <typename Fn>
-bool with_float_format(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kFloat32:
-      fn(permute::Fp32Format{});
-      return true;
-    case DType::kBFloat16:
-      fn(permute::Bf16Format{});
-      return true;
-    case DType::kFloat16:
-      fn(permute::Fp16Format{});
-      return true;
-    default:
-      return false;
-  }
-}
-
 }  // namespace
 
 // Token-major when the layout's expanded_to_permuted is given: each token row is read once

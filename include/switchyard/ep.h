@@ -245,6 +245,13 @@ class GpuGroup {
   Status dispatch(int rank, const DispatchInputs& in, const DispatchOutputs& out, Handle* handle,
                   bool reuse = false, Stream stream = nullptr);
 
+  // The handle of an earlier dispatch of rank `rank`, rebuilt from that dispatch's
+  // out.handle_memory, its token count and whether it wrote the expert-major output (for
+  // frameworks whose graphs carry tensors, not handles). Not checked on the GPU: the memory must
+  // hold that dispatch's handle, as written by it.
+  Status adopt_handle(int rank, const TensorView& handle_memory, std::int64_t tokens, bool expert_major,
+                      Handle* handle) const;
+
   // Exact mode: the rows rank `rank` received in its latest dispatch. Waits (at most the
   // group's timeout) until the count is published, which happens once every peer's rows have
   // arrived, before they are copied out: call it after every rank's dispatch is enqueued.

@@ -375,6 +375,8 @@ NB_MODULE(_ext, m) {
             return g.combine(rank, handle, in, out, accumulate, as_stream(stream));
           },
           "rank"_a, "handle"_a, "inputs"_a, "out"_a, "accumulate"_a, "stream"_a, release())
+      .def("adopt_handle", &ep::GpuGroup::adopt_handle, "rank"_a, "handle_memory"_a, "tokens"_a, "expert_major"_a,
+           "handle"_a)
       .def(
           "received_rows",
           [](ep::GpuGroup& g, int rank) {

@@ -22,28 +22,30 @@ TimeoutError when a rank does not arrive within timeout_seconds (the group is th
 a new one).
 
 The GPU groups (LoopbackGroup, GpuGroup) offer the same dispatch / combine / Handle surface on
-CUDA tensors; see their docstrings for how calls are ordered on streams. The GPU path of these
-Python bindings has not yet run on a GPU (the C++ GpuGroup underneath has passed its GPU tests).
+CUDA tensors; see their docstrings for how calls are ordered on streams. Every group's dispatch
+and combine are the torch custom ops switchyard::ep_dispatch / switchyard::ep_combine (with fake
+implementations), so they can sit in torch.compile(fullgraph=True) graphs and CUDA graphs.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import os
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _ext
 from ._core import UnsupportedError, check_status, max_tiles
-from .ops import _DTYPES, Layout, _layout_view, _view
+from .ops import _DTYPES, Layout, _eager_without_dynamo, _layout_view, _view
 
 __all__ = ["CpuGroup", "Dispatched", "GpuDispatched", "GpuGroup", "Handle", "LoopbackGroup", "run_ranks"]
 
-_STATS = (_ext.EP_RECV_ROWS, _ext.EP_SENT_ROWS, _ext.EP_DROPPED)
 
 
 def _group_config(num_ranks: int, num_experts: int, top_k: int, max_tokens: int, hidden: int, dtype: torch.dtype,
@@ -67,79 +69,84 @@ def _group_config(num_ranks: int, num_experts: int, top_k: int, max_tokens: int,
     return c
 
 
-@dataclasses.dataclass
-class _DispatchBuffers:
-    """One dispatch call's argument views and the output tensors they point at."""
+# ----------------------------------------------------------------------------- the ops
+#
+# Every group's dispatch and combine run through two torch custom ops, switchyard::ep_dispatch
+# and switchyard::ep_combine, so that torch.compile(fullgraph=True) keeps them in its graph and
+# CUDA graphs capture them. The ops name their group by a registry id and "mutate" the group's
+# one-element `state` tensor: that keeps the collectives in program order and out of
+# dead-code elimination. A handle is plain data (Handle: its memory tensor, token count and
+# whether the dispatch wrote the expert-major output), so it travels through graphs as tensors.
 
-    inputs: Any
-    outputs: Any
-    out_x: Tensor
-    out_scales: Optional[Tensor]
-    src_rank: Tensor
-    src_token: Tensor
-    out_ids: Tensor
-    out_w: Tensor
-    stats: Tensor
-    layout: Optional["Layout"]
-    expert_x: Optional[Tensor]
-    expert_scales: Optional[Tensor]
+_GROUPS: Dict[int, "weakref.ref[Any]"] = {}
+_GROUP_IDS = itertools.count(1)
 
-    def tensors(self) -> List[Optional[Tensor]]:
-        return [self.out_x, self.out_scales, self.src_rank, self.src_token, self.out_ids, self.out_w, self.stats,
-                self.expert_x, self.expert_scales] + (list(self.layout) if self.layout is not None else [])
-
-
-def _dispatch_buffers(op: str, c: Any, dtype: torch.dtype, sizes: tuple, new: Callable[..., Tensor],
-                      x: Tensor, topk_ids: Tensor, topk_weights: Tensor, scales: Optional[Tensor],
-                      expert_major: bool) -> _DispatchBuffers:
-    """New outputs of one dispatch (sizes = (N, P) capacities; new(*shape, dtype=) allocates) and
-    the C++ argument structs viewing them and the inputs."""
-    N, P = sizes
-    H, K, L = c.hidden, c.top_k, c.experts_per_rank
-    out_x = new(N, H, dtype=dtype)
-    out_scales = new(N, c.scale_cols, dtype=torch.float32) if c.scale_cols > 0 else None
-    src_rank, src_token = new(N), new(N)
-    out_ids, out_w = new(N, K), new(N, K, dtype=torch.float32)
-    stats = new(_ext.EP_NUM_STATS, dtype=torch.int64).zero_()
-    i = _ext.EpDispatchInputs()
-    i.x = _view(op, "x", x)
-    i.scales = _view(op, "scales", scales)
-    i.topk_ids = _view(op, "topk_ids", topk_ids)
-    i.topk_weights = _view(op, "topk_weights", topk_weights)
-    o = _ext.EpDispatchOutputs()
-    o.x = _view(op, "out.x", out_x)
-    o.scales = _view(op, "out.scales", out_scales)
-    o.src_rank = _view(op, "out.src_rank", src_rank)
-    o.src_token = _view(op, "out.src_token", src_token)
-    o.topk_ids = _view(op, "out.topk_ids", out_ids)
-    o.topk_weights = _view(op, "out.topk_weights", out_w)
-    o.stats = _view(op, "out.stats", stats)
-    lay = expert_x = expert_scales = None
-    if expert_major:
-        tiles = max_tiles(N, K, L, c.tile_size)
-        lay = Layout(new(L), new(L + 1), new(P), new(P), new(N, K), new(tiles), new(tiles), new(3))
-        expert_x = new(P, H, dtype=dtype)
-        expert_scales = new(P, c.scale_cols, dtype=torch.float32) if c.scale_cols > 0 else None
-        o.layout = _layout_view(op, "out.layout.", lay)
-        o.expert_x = _view(op, "out.expert_x", expert_x)
-        o.expert_scales = _view(op, "out.expert_scales", expert_scales)
-    return _DispatchBuffers(i, o, out_x, out_scales, src_rank, src_token, out_ids, out_w, stats, lay, expert_x,
-                            expert_scales)
+# ep_dispatch's outputs, in order: the rank-major rows, the expert-major layout and rows, then
+# the handle memory (empty on reuse: the reused handle's memory is an input).
+_OUT_X, _OUT_SCALES, _OUT_SRC_RANK, _OUT_SRC_TOKEN, _OUT_IDS, _OUT_WEIGHTS, _OUT_STATS = range(7)
+_OUT_LAYOUT = 7  # 8 arrays, Layout's order
+_OUT_EXPERT_X, _OUT_EXPERT_SCALES, _OUT_HANDLE = 15, 16, 17
+# A tuple, not Tensor[]: functionalization takes a mutating op's outputs only as a fixed tuple.
+_DispatchOuts = Tuple[(Tensor,) * 18]
 
 
-class Handle:
-    """What combine needs from a dispatch (who sent which token where), for one rank."""
+def _registered(group_id: int, op: str) -> Any:
+    ref = _GROUPS.get(group_id)
+    group = ref() if ref is not None else None
+    if group is None:
+        raise ValueError(f"{op}: expert-parallel group {group_id} no longer exists")
+    return group
 
-    def __init__(self, cpp: Any, tokens: int, memory: Optional[Tensor] = None) -> None:
-        self._cpp = cpp
-        self.tokens = tokens  # the rank's token count at that dispatch
-        # GPU groups: the device memory the handle lives in (handle_bytes, allocated per
-        # dispatch with torch's allocator); kept alive with the handle.
-        self.memory = memory
+
+def _need_tensor(op: str, name: str, t: Any, optional: bool = False) -> None:
+    if not (isinstance(t, Tensor) or (optional and t is None)):
+        raise TypeError(f"{op}: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+
+
+@torch.library.custom_op("switchyard::ep_dispatch", mutates_args=("state",))
+def _ep_dispatch(state: Tensor, group_id: int, rank: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                 scales: Optional[Tensor], expert_major: bool, reuse_memory: Optional[Tensor]) -> _DispatchOuts:
+    """One rank's dispatch on group `group_id`: the outputs in _OUT_* order, full capacity."""
+    return tuple(_registered(group_id, f"ep dispatch (rank {rank})")._dispatch_impl(
+        rank, x, topk_ids, topk_weights, scales, expert_major, reuse_memory))
+
+
+@_ep_dispatch.register_fake
+def _(state, group_id, rank, x, topk_ids, topk_weights, scales, expert_major, reuse_memory):
+    return tuple(_registered(group_id, f"ep dispatch (rank {rank})")._dispatch_shapes(
+        expert_major, reuse_memory is not None, x.new_empty))
+
+
+@torch.library.custom_op("switchyard::ep_combine", mutates_args=("state", "out"))
+def _ep_combine(state: Tensor, group_id: int, rank: int, handle_memory: Tensor, tokens: int,
+                dispatch_expert_major: bool, y: Tensor, expert_major: bool, out: Tensor, accumulate: bool) -> None:
+    """One rank's combine on group `group_id` into out [tokens, H] (read too with accumulate)."""
+    _registered(group_id, f"ep combine (rank {rank})")._combine_impl(
+        rank, handle_memory, tokens, dispatch_expert_major, y, expert_major, out, accumulate)
+
+
+@_ep_combine.register_fake
+def _(state, group_id, rank, handle_memory, tokens, dispatch_expert_major, y, expert_major, out, accumulate):
+    return None
+
+
+_eager_without_dynamo(_ep_dispatch)
+_eager_without_dynamo(_ep_combine)
+
+
+class Handle(NamedTuple):
+    """What combine needs from one rank's dispatch: its handle memory (GPU groups: the
+    handle_bytes of device memory the dispatch wrote; CpuGroup: a one-element key into the
+    group's host-side plans), the rank's token count then, and whether that dispatch wrote the
+    expert-major output. Plain data: it passes through torch.compile graphs."""
+
+    memory: Tensor
+    tokens: int
+    expert_major: bool
 
     @property
     def valid(self) -> bool:
-        return bool(self._cpp.valid)
+        return isinstance(self.memory, Tensor) and self.memory.numel() > 0
 
 
 @dataclasses.dataclass
@@ -166,55 +173,177 @@ class Dispatched:
         return self.x.shape[0]
 
 
-class CpuGroup:
-    """A group of num_ranks simulated ranks; rank r owns experts [r*L, (r+1)*L), L = E / R."""
+class GpuDispatched:
+    """One rank's dispatch with full-capacity outputs: what the GPU groups return (and CpuGroup
+    with trim=False). The calls only enqueue, so nothing here is trimmed to the received rows:
+    the rank-major tensors have max_recv_rows rows (rows past the received count are left as
+    torch.empty allocated them) and the counts stay on the device in `stats` ([3] int64:
+    received rows, sent pairs, dropped ids). `rows`, `sent`, `dropped` and `trimmed()` read them
+    back to the host (a synchronization). On a LoopbackGroup they may only be read once every
+    rank has made this dispatch."""
 
-    def __init__(self, num_ranks: int, num_experts: int, top_k: int, max_tokens: int, hidden: int,
-                 dtype: torch.dtype = torch.bfloat16, scale_cols: int = 0, tile_size: int = 1,
-                 timeout_seconds: float = 30.0, partial_dtype: torch.dtype = torch.float32) -> None:
-        c = _group_config(num_ranks, num_experts, top_k, max_tokens, hidden, dtype, scale_cols, tile_size,
-                          timeout_seconds, partial_dtype)
-        self._config = c
-        self._dtype = dtype
-        self._group = _ext.EpCpuGroup.create(c)
-        self.num_ranks = c.num_ranks
-        self.experts_per_rank = c.experts_per_rank
-        self.max_recv_rows = int(_ext.ep_max_recv_rows(c))
-        self.max_expert_rows = int(_ext.ep_max_expert_rows(c))
+    def __init__(self, group: Any, rank: int, outs: Sequence[Tensor], expert_major: bool, handle: Handle) -> None:
+        has_scales = group.scale_cols > 0
+        self._group = group
+        self._rank = rank
+        self.x = outs[_OUT_X]  # [max_recv_rows, H]
+        self.scales = outs[_OUT_SCALES] if has_scales else None  # [max_recv_rows, scale_cols] fp32
+        self.src_rank = outs[_OUT_SRC_RANK]  # [max_recv_rows] int32
+        self.src_token = outs[_OUT_SRC_TOKEN]  # [max_recv_rows] int32
+        self.topk_ids = outs[_OUT_IDS]  # [max_recv_rows, K] int32 local expert ids, -1 elsewhere
+        self.topk_weights = outs[_OUT_WEIGHTS]  # [max_recv_rows, K] fp32
+        self.stats = outs[_OUT_STATS]  # [3] int64
+        # The expert-major layout of the received rows and its rows [max_expert_rows, H] (None if
+        # not asked).
+        self.layout = Layout(*outs[_OUT_LAYOUT:_OUT_LAYOUT + 8]) if expert_major else None
+        self.expert_x = outs[_OUT_EXPERT_X] if expert_major else None
+        self.expert_scales = outs[_OUT_EXPERT_SCALES] if expert_major and has_scales else None
+        self.handle = handle
+
+    def _read_stat(self, j: int) -> int:
+        self._group._require_complete(self.handle.memory.data_ptr(), "reading a dispatch's counts")
+        return int(self.stats[j])
 
     @property
-    def broken_reason(self) -> str:
-        """Non-empty once a wait timed out (or ranks were found in different calls)."""
-        return self._group.broken_reason()
+    def rows(self) -> int:
+        """Rows this rank received: received_rows() in exact mode (worst_case=False) for the
+        rank's latest dispatch, else stats[0] read back (synchronizes the current stream)."""
+        if not self._group.worst_case and self._group._is_latest(self._rank, self.handle.memory):
+            return self._group.received_rows(self._rank)  # no stream synchronization
+        return self._read_stat(_ext.EP_RECV_ROWS)
 
-    def dispatch(self, rank: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                 scales: Optional[Tensor] = None, *, expert_major: bool = True, handle: Any = None,
-                 reuse: bool = False) -> Dispatched:
-        """Sends rank `rank`'s tokens x [T,H] (T <= max_tokens) once to each rank owning one of
-        their experts (topk_ids [T,K] int32/int64 global ids, -1 for none; topk_weights [T,K]
-        fp32; scales [T, scale_cols] fp32 for fp8 rows). With expert_major the received rows are
-        also laid out (docs/design.md section 3) over this rank's experts and gathered into it. With
-        reuse=True and the handle of an earlier dispatch of the same routing, the routing is
-        checked to be the same (a GPU transport then skips its count exchange)."""
+    @property
+    def sent(self) -> int:
+        return self._read_stat(_ext.EP_SENT_ROWS)
+
+    @property
+    def dropped(self) -> int:
+        return self._read_stat(_ext.EP_DROPPED)
+
+    def trimmed(self) -> Dispatched:
+        """CpuGroup's form of this result: rank-major rows trimmed to the rows received, counts
+        as ints (synchronizes)."""
+        n = self.rows
+        sc = self.scales[:n] if self.scales is not None else None
+        return Dispatched(self.x[:n], sc, self.src_rank[:n], self.src_token[:n], self.topk_ids[:n],
+                          self.topk_weights[:n], self.sent, self.dropped, self.layout, self.expert_x,
+                          self.expert_scales, self.handle)
+
+
+class _Group:
+    """What every group shares: the registry entry and state tensor of its ops, the outputs'
+    shapes, the arguments' first checks, and the dispatch / combine methods that call the ops.
+    A subclass provides _dispatch_impl and _combine_impl (the ops' real kernels), _local_ranks,
+    and may hook _require_complete / _is_latest."""
+
+    _what = "ep group"
+    worst_case = True
+
+    def _register(self, config: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self._config = config
+        self._dtype = dtype
+        self.device = device
+        # Plain ints (torch.compile traces reads of these, not of the C++ config).
+        self.num_ranks = int(config.num_ranks)
+        self.experts_per_rank = int(config.experts_per_rank)
+        self.hidden = int(config.hidden)
+        self.scale_cols = int(config.scale_cols)
+        self.max_recv_rows = int(_ext.ep_max_recv_rows(config))
+        self.max_expert_rows = int(_ext.ep_max_expert_rows(config))
+        self.group_id = next(_GROUP_IDS)
+        _GROUPS[self.group_id] = weakref.ref(self)
+        weakref.finalize(self, _GROUPS.pop, self.group_id, None)
+        self._state = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def _local_ranks(self) -> Sequence[int]:
+        return range(self.num_ranks)
+
+    def _handle_numel(self) -> int:
+        return 1
+
+    def _handle_dtype(self) -> torch.dtype:
+        return torch.int64
+
+    def _require_complete(self, memory_ptr: int, what: str) -> None:
+        """Raises when the dispatch whose handle memory is at memory_ptr is not yet complete on
+        every rank (LoopbackGroup: before every rank has made it)."""
+
+    def _is_latest(self, rank: int, memory: Tensor) -> bool:
+        return False
+
+    def _check_rank(self, op: str, rank: Any) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
+            raise ValueError(f"{op}: argument 'rank': {rank!r} is not a rank of this {self.num_ranks}-rank group")
+        if rank not in self._local_ranks():
+            raise ValueError(f"{op}: argument 'rank': rank {rank} is not driven by this process (it drives "
+                             f"{list(self._local_ranks())})")
+        return rank
+
+    def _dispatch_shapes(self, expert_major: bool, reuse: bool, new: Callable[..., Tensor]) -> List[Tensor]:
+        """New tensors of the shapes and dtypes of ep_dispatch's outputs (new(shape, dtype=))."""
         c = self._config
+        N, P, H, K, L, sc = self.max_recv_rows, self.max_expert_rows, c.hidden, c.top_k, c.experts_per_rank, \
+            c.scale_cols
+        i32, f32 = torch.int32, torch.float32
+        outs = [new((N, H), dtype=self._dtype), new((N, sc), dtype=f32), new((N,), dtype=i32),
+                new((N,), dtype=i32), new((N, K), dtype=i32), new((N, K), dtype=f32),
+                new((_ext.EP_NUM_STATS,), dtype=torch.int64)]
+        if expert_major:
+            tiles = max_tiles(N, K, L, c.tile_size)
+            outs += [new((L,), dtype=i32), new((L + 1,), dtype=i32), new((P,), dtype=i32), new((P,), dtype=i32),
+                     new((N, K), dtype=i32), new((tiles,), dtype=i32), new((tiles,), dtype=i32),
+                     new((3,), dtype=i32), new((P, H), dtype=self._dtype), new((P, sc), dtype=f32)]
+        else:
+            outs += [new((0,), dtype=i32) for _ in range(8)] + [new((0, H), dtype=self._dtype),
+                                                                new((0, sc), dtype=f32)]
+        outs.append(new((0 if reuse else self._handle_numel(),), dtype=self._handle_dtype()))
+        return outs
+
+    def _dispatch_views(self, op: str, outs: List[Tensor], x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                        scales: Optional[Tensor], expert_major: bool) -> Tuple[Any, Any]:
+        """The C++ DispatchInputs / DispatchOutputs viewing the inputs and the outputs `outs`."""
+        has_scales = self._config.scale_cols > 0
+        i = _ext.EpDispatchInputs()
+        i.x = _view(op, "x", x)
+        i.scales = _view(op, "scales", scales)
+        i.topk_ids = _view(op, "topk_ids", topk_ids)
+        i.topk_weights = _view(op, "topk_weights", topk_weights)
+        o = _ext.EpDispatchOutputs()
+        o.x = _view(op, "out.x", outs[_OUT_X])
+        o.scales = _view(op, "out.scales", outs[_OUT_SCALES] if has_scales else None)
+        o.src_rank = _view(op, "out.src_rank", outs[_OUT_SRC_RANK])
+        o.src_token = _view(op, "out.src_token", outs[_OUT_SRC_TOKEN])
+        o.topk_ids = _view(op, "out.topk_ids", outs[_OUT_IDS])
+        o.topk_weights = _view(op, "out.topk_weights", outs[_OUT_WEIGHTS])
+        o.stats = _view(op, "out.stats", outs[_OUT_STATS])
+        if expert_major:
+            o.layout = _layout_view(op, "out.layout.", outs[_OUT_LAYOUT:_OUT_LAYOUT + 8])
+            o.expert_x = _view(op, "out.expert_x", outs[_OUT_EXPERT_X])
+            o.expert_scales = _view(op, "out.expert_scales", outs[_OUT_EXPERT_SCALES] if has_scales else None)
+        return i, o
+
+    def _padded_y(self, y: Tensor, expert_major: bool) -> Tensor:
+        """y with the full capacity of rows the C++ contract takes (zero rows appended)."""
+        need = self.max_expert_rows if expert_major else self.max_recv_rows
+        if y.dim() == 2 and y.shape[0] < need:
+            full = y.new_zeros(need, y.shape[1])
+            full[: y.shape[0]] = y
+            return full
+        return y
+
+    def _dispatch_call(self, rank: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, scales: Optional[Tensor],
+                       expert_major: bool, handle: Any, reuse: bool) -> GpuDispatched:
         op = f"ep dispatch (rank {rank})"
-
-        def new(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
-            return torch.empty(shape, dtype=dtype)
-
-        b = _dispatch_buffers(op, c, self._dtype, (self.max_recv_rows, self.max_expert_rows), new, x, topk_ids,
-                              topk_weights, scales, expert_major)
-        i, o, out_x, out_scales = b.inputs, b.outputs, b.out_x, b.out_scales
-        src_rank, src_token, out_ids, out_w, stats = b.src_rank, b.src_token, b.out_ids, b.out_w, b.stats
-        lay, expert_x, expert_scales = b.layout, b.expert_x, b.expert_scales
-        if reuse and not isinstance(handle, Handle):
-            raise ValueError(f"{op}: argument 'handle': reuse needs the Handle of an earlier dispatch")
-        h = Handle(handle._cpp if reuse else _ext.EpHandle(), int(x.shape[0]) if isinstance(x, Tensor) else 0)
-        check_status(self._group.dispatch(int(rank), i, o, h._cpp, bool(reuse)))
-        rows, sent, dropped = (int(stats[j]) for j in _STATS)
-        return Dispatched(out_x[:rows], out_scales[:rows] if out_scales is not None else None, src_rank[:rows],
-                          src_token[:rows], out_ids[:rows], out_w[:rows], sent, dropped, lay, expert_x,
-                          expert_scales, h)
+        rank = self._check_rank(op, rank)
+        for name, t, optional in (("x", x, False), ("topk_ids", topk_ids, False),
+                                  ("topk_weights", topk_weights, False), ("scales", scales, True)):
+            _need_tensor(op, name, t, optional)
+        if reuse and not (isinstance(handle, Handle) and handle.valid):
+            raise ValueError(f"{op}: argument 'handle': reuse needs the Handle of an earlier dispatch of this group")
+        outs = torch.ops.switchyard.ep_dispatch(self._state, self.group_id, rank, x, topk_ids, topk_weights, scales,
+                                                bool(expert_major), handle.memory if reuse else None)
+        h = Handle(handle.memory if reuse else outs[_OUT_HANDLE], x.shape[0], bool(expert_major))
+        return GpuDispatched(self, rank, outs, bool(expert_major), h)
 
     def combine(self, rank: int, handle: Any, y: Tensor, *, expert_major: bool = True,
                 out: Optional[Tensor] = None, accumulate: bool = False,
@@ -222,25 +351,96 @@ class CpuGroup:
         """Returns rank `rank`'s tokens [T,H]: the partials of the ranks each token went to,
         summed in rank order in fp32. expert_major: y [>= padded_total, H] holds the expert
         outputs in the dispatch's expert-major layout (weighted here by the routing weights, in
-        k order); otherwise y [rows, H] holds one already-reduced row per received row. `out`
-        (written, and read too with accumulate) or a new tensor of out_dtype (default y's)."""
+        k order); otherwise y [rows, H] holds one already-reduced row per received row (fewer
+        rows than the capacity: copied into a zero-padded buffer first). Writes `out` (read too
+        with accumulate: out + the sum, e.g. a shared expert's output) or a new tensor of
+        out_dtype (default y's)."""
         op = f"ep combine (rank {rank})"
-        if not isinstance(y, Tensor):
-            raise TypeError(f"{op}: argument 'y': expected a torch.Tensor, got {type(y).__name__}")
-        need = self.max_expert_rows if expert_major else self.max_recv_rows
-        if y.dim() == 2 and y.shape[0] < need:  # the C++ contract takes the full capacity
-            full = torch.zeros(need, y.shape[1], dtype=y.dtype)
-            full[: y.shape[0]] = y
-            y = full
-        if not isinstance(handle, Handle):
-            raise TypeError(f"{op}: argument 'handle': expected the Handle of a dispatch (Dispatched.handle)")
+        rank = self._check_rank(op, rank)
+        _need_tensor(op, "y", y)
+        _need_tensor(op, "out", out, optional=True)
+        if not (isinstance(handle, Handle) and handle.valid):
+            raise TypeError(f"{op}: argument 'handle': expected the Handle of a dispatch of this group "
+                            "(.handle of dispatch's result)")
         if out is None:
-            out = torch.empty(handle.tokens, self._config.hidden, dtype=out_dtype or y.dtype)
+            if accumulate:
+                raise ValueError(f"{op}: argument 'accumulate': needs `out` (the tensor to add to)")
+            out = y.new_empty((handle.tokens, self.hidden), dtype=out_dtype or y.dtype, device=self.device)
+        torch.ops.switchyard.ep_combine(self._state, self.group_id, rank, handle.memory, handle.tokens,
+                                        handle.expert_major, y, bool(expert_major), out, bool(accumulate))
+        return out
+
+
+class CpuGroup(_Group):
+    """A group of num_ranks simulated ranks; rank r owns experts [r*L, (r+1)*L), L = E / R."""
+
+    _what = "ep cpu group"
+    _MAX_PLANS = 4096  # host-side plans kept for handles (the oldest go first)
+
+    def __init__(self, num_ranks: int, num_experts: int, top_k: int, max_tokens: int, hidden: int,
+                 dtype: torch.dtype = torch.bfloat16, scale_cols: int = 0, tile_size: int = 1,
+                 timeout_seconds: float = 30.0, partial_dtype: torch.dtype = torch.float32) -> None:
+        c = _group_config(num_ranks, num_experts, top_k, max_tokens, hidden, dtype, scale_cols, tile_size,
+                          timeout_seconds, partial_dtype)
+        self._group = _ext.EpCpuGroup.create(c)
+        self._register(c, dtype, torch.device("cpu"))
+        self._plans: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
+        self._plans_lock = threading.Lock()
+        self._plan_ids = itertools.count(1)
+
+    @property
+    def broken_reason(self) -> str:
+        """Non-empty once a wait timed out (or ranks were found in different calls)."""
+        return self._group.broken_reason()
+
+    def _plan(self, op: str, memory: Tensor) -> Any:
+        key = int(memory[0]) if memory.numel() == 1 and memory.dtype == torch.int64 else -1
+        with self._plans_lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            raise ValueError(f"{op}: argument 'handle': not a handle of this group's recent dispatches (it keeps "
+                             f"the last {self._MAX_PLANS})")
+        return plan
+
+    def dispatch(self, rank: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                 scales: Optional[Tensor] = None, *, expert_major: bool = True, handle: Any = None,
+                 reuse: bool = False, trim: bool = True) -> Any:
+        """Sends rank `rank`'s tokens x [T,H] (T <= max_tokens) once to each rank owning one of
+        their experts (topk_ids [T,K] int32/int64 global ids, -1 for none; topk_weights [T,K]
+        fp32; scales [T, scale_cols] fp32 for fp8 rows). With expert_major the received rows are
+        also laid out (docs/design.md section 3) over this rank's experts and gathered into it. With
+        reuse=True and the handle of an earlier dispatch of the same routing, the routing is
+        checked to be the same (a GPU transport then skips its count exchange). Returns a
+        Dispatched trimmed to the rows received, or with trim=False the GPU groups' full-capacity
+        GpuDispatched (no host read: what torch.compile traces)."""
+        d = self._dispatch_call(rank, x, topk_ids, topk_weights, scales, expert_major, handle, reuse)
+        return d.trimmed() if trim else d
+
+    def _dispatch_impl(self, rank: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, scales: Optional[Tensor],
+                       expert_major: bool, reuse_memory: Optional[Tensor]) -> List[Tensor]:
+        op = f"ep dispatch (rank {rank})"
+        outs = self._dispatch_shapes(expert_major, reuse_memory is not None, torch.empty)
+        i, o = self._dispatch_views(op, outs, x, topk_ids, topk_weights, scales, expert_major)
+        plan = self._plan(op, reuse_memory) if reuse_memory is not None else _ext.EpHandle()
+        check_status(self._group.dispatch(int(rank), i, o, plan, reuse_memory is not None))
+        if reuse_memory is None:
+            key = next(self._plan_ids)
+            with self._plans_lock:
+                self._plans[key] = plan
+                while len(self._plans) > self._MAX_PLANS:
+                    self._plans.popitem(last=False)
+            outs[_OUT_HANDLE].fill_(key)
+        return outs
+
+    def _combine_impl(self, rank: int, memory: Tensor, tokens: int, dispatch_expert_major: bool, y: Tensor,
+                      expert_major: bool, out: Tensor, accumulate: bool) -> None:
+        op = f"ep combine (rank {rank})"
+        plan = self._plan(op, memory)
         ci = _ext.EpCombineInputs()
         ci.expert_major = bool(expert_major)
+        y = self._padded_y(y, expert_major)
         ci.y = _view(op, "y", y)
-        check_status(self._group.combine(int(rank), handle._cpp, ci, _view(op, "out", out), bool(accumulate)))
-        return out
+        check_status(self._group.combine(int(rank), plan, ci, _view(op, "out", out), bool(accumulate)))
 
 
 # ----------------------------------------------------------------------------- GPU groups
@@ -272,68 +472,7 @@ def _cuda_device(what: str, device: Any) -> torch.device:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def _is_latest(ref: Any, d: Any) -> bool:
-    return ref is not None and ref() is d
-
-
-class GpuDispatched:
-    """One rank's dispatch on a GPU group. The calls only enqueue, so nothing here is trimmed to
-    the received rows: the rank-major tensors have the full capacity (max_recv_rows rows; rows
-    past the received count are left as torch.empty allocated them) and the counts stay on the
-    device in `stats` ([3] int64: received rows, sent pairs, dropped ids). `rows`, `sent`,
-    `dropped` and `trimmed()` read them back to the host (a synchronization). On a
-    LoopbackGroup they may only be read once every rank has made this dispatch."""
-
-    def __init__(self, group: "_GpuGroupBase", rank: int, round_id: int, x: Tensor, scales: Optional[Tensor],
-                 src_rank: Tensor, src_token: Tensor, topk_ids: Tensor, topk_weights: Tensor, stats: Tensor,
-                 layout: Optional[Layout], expert_x: Optional[Tensor], expert_scales: Optional[Tensor],
-                 handle: Handle) -> None:
-        self._group = group
-        self._rank = rank
-        self._round = round_id
-        self.x = x  # [max_recv_rows, H]
-        self.scales = scales  # [max_recv_rows, scale_cols] fp32
-        self.src_rank = src_rank  # [max_recv_rows] int32
-        self.src_token = src_token  # [max_recv_rows] int32
-        self.topk_ids = topk_ids  # [max_recv_rows, K] int32 local expert ids, -1 elsewhere
-        self.topk_weights = topk_weights  # [max_recv_rows, K] fp32
-        self.stats = stats  # [3] int64 on the device
-        self.layout = layout  # expert-major layout of the received rows (None if not asked)
-        self.expert_x = expert_x  # [max_expert_rows, H]
-        self.expert_scales = expert_scales
-        self.handle = handle
-
-    def _read_stat(self, j: int) -> int:
-        self._group._require_round_complete(self._round, "reading a dispatch's counts")
-        return int(self.stats[j])
-
-    @property
-    def rows(self) -> int:
-        """Rows this rank received: received_rows() in exact mode (worst_case=False) for the
-        rank's latest dispatch, else stats[0] read back (synchronizes the current stream)."""
-        if not self._group.worst_case and _is_latest(self._group._latest.get(self._rank), self):
-            return self._group.received_rows(self._rank)  # the rank's latest dispatch: no stream sync
-        return self._read_stat(_ext.EP_RECV_ROWS)
-
-    @property
-    def sent(self) -> int:
-        return self._read_stat(_ext.EP_SENT_ROWS)
-
-    @property
-    def dropped(self) -> int:
-        return self._read_stat(_ext.EP_DROPPED)
-
-    def trimmed(self) -> Dispatched:
-        """CpuGroup's form of this result: rank-major rows trimmed to the rows received, counts
-        as ints (synchronizes)."""
-        n = self.rows
-        sc = self.scales[:n] if self.scales is not None else None
-        return Dispatched(self.x[:n], sc, self.src_rank[:n], self.src_token[:n], self.topk_ids[:n],
-                          self.topk_weights[:n], self.sent, self.dropped, self.layout, self.expert_x,
-                          self.expert_scales, self.handle)
-
-
-class _GpuGroupBase:
+class _GpuGroupBase(_Group):
     """What LoopbackGroup and GpuGroup share: outputs allocated per call with torch's caching
     allocator on the group's device, the C++ GpuGroup's Status mapped to Python exceptions, and
     the group refusing every call once a device-side error (timeout, a peer's bad arguments)
@@ -343,26 +482,26 @@ class _GpuGroupBase:
 
     def _setup(self, cpp: Any, config: Any, dtype: torch.dtype, device: torch.device, worst_case: bool) -> None:
         self._group = cpp
-        self._config = config
-        self._dtype = dtype
-        self.device = device
+        self._register(config, dtype, device)
         self.worst_case = bool(worst_case)
-        self.num_ranks = config.num_ranks
-        self.experts_per_rank = config.experts_per_rank
-        self.max_recv_rows = int(_ext.ep_max_recv_rows(config))
-        self.max_expert_rows = int(_ext.ep_max_expert_rows(config))
         self.handle_bytes = int(_ext.ep_handle_bytes(config))
         self.region_bytes = int(_ext.ep_region_bytes(config))
         self._broken: Any = None  # the first error Status, once the group is broken
-        self._latest: dict = {}  # rank -> weakref to its latest GpuDispatched (exact mode's received_rows)
+        self._latest_memory: Dict[int, int] = {}  # rank -> data_ptr of its latest dispatch's handle memory
 
-    # Overridden: the ranks this process drives, the stream a rank's call goes on, and what
-    # happens around the call.
-    def _local_ranks(self) -> Sequence[int]:
-        raise NotImplementedError
+    def _handle_numel(self) -> int:
+        return (self.handle_bytes + 3) // 4  # int32 words; the caching allocator aligns to 512 bytes
 
-    def _begin(self, op: str, kind: str, rank: int) -> int:
-        return 0
+    def _handle_dtype(self) -> torch.dtype:
+        return torch.int32
+
+    def _is_latest(self, rank: int, memory: Tensor) -> bool:
+        # The handle memory is alive while a result holds it, so no later dispatch got its address.
+        return self._latest_memory.get(rank) == memory.data_ptr()
+
+    # Overridden: the stream a rank's call goes on, and what happens around the call.
+    def _begin(self, op: str, kind: str, rank: int, memory: Tensor) -> None:
+        """Before a call is enqueued (LoopbackGroup: its turn in the collective)."""
 
     def _admit(self, kind: str, rank: int) -> bool:
         """Raises when the group is broken; True: enqueue anyway, then raise (LoopbackGroup)."""
@@ -371,9 +510,6 @@ class _GpuGroupBase:
 
     def _enqueue(self, rank: int, call: Callable[[int], Any], tensors: Sequence[Optional[Tensor]]) -> Any:
         raise NotImplementedError
-
-    def _require_round_complete(self, round_id: int, what: str) -> None:
-        pass
 
     @property
     def broken_reason(self) -> str:
@@ -406,21 +542,15 @@ class _GpuGroupBase:
         """Exact mode (worst_case=False): the rows rank `rank` received in its latest dispatch.
         Waits on the host (at most timeout_seconds) until every peer's rows have arrived."""
         r = self._check_rank("ep received_rows", rank)
-        self._require_round_complete(-1, "received_rows")
+        memory_ptr = self._latest_memory.get(r)
+        if memory_ptr is not None:
+            self._require_complete(memory_ptr, "received_rows")
         status, rows = self._group.received_rows(r)
         if not status.ok:
             if status.code == _ext.StatusCode.Timeout:
                 self._fail(status)
             check_status(status)
         return int(rows)
-
-    def _check_rank(self, op: str, rank: Any) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
-            raise ValueError(f"{op}: argument 'rank': {rank!r} is not a rank of this {self.num_ranks}-rank group")
-        if rank not in self._local_ranks():
-            raise ValueError(f"{op}: argument 'rank': rank {rank} is not driven by this process (it drives "
-                             f"{list(self._local_ranks())})")
-        return rank
 
     def dispatch(self, rank: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
                  scales: Optional[Tensor] = None, *, expert_major: bool = True, handle: Any = None,
@@ -429,73 +559,63 @@ class _GpuGroupBase:
         (full-capacity outputs, counts on the device). With reuse=True and the Handle of an
         earlier dispatch of the same routing, the routing is not derived again (not checked on
         the GPU: the caller vouches for it) and the handle's memory is reused."""
+        return self._dispatch_call(rank, x, topk_ids, topk_weights, scales, expert_major, handle, reuse)
+
+    def _dispatch_impl(self, rank: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, scales: Optional[Tensor],
+                       expert_major: bool, reuse_memory: Optional[Tensor]) -> List[Tensor]:
         op = f"ep dispatch (rank {rank})"
-        rank = self._check_rank(op, rank)
         deferred = self._admit("dispatch", rank)
-        c = self._config
-        N, P = self.max_recv_rows, self.max_expert_rows
         dev = self.device
-        if reuse and not (isinstance(handle, Handle) and handle.memory is not None):
-            raise ValueError(f"{op}: argument 'handle': reuse needs the Handle of an earlier dispatch of this group")
-
-        def new(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
-            return torch.empty(shape, dtype=dtype, device=dev)
-
         with torch.cuda.device(dev):
-            b = _dispatch_buffers(op, c, self._dtype, (N, P), new, x, topk_ids, topk_weights, scales, expert_major)
-            i, o, out_x, out_scales = b.inputs, b.outputs, b.out_x, b.out_scales
-            src_rank, src_token, out_ids, out_w, stats = b.src_rank, b.src_token, b.out_ids, b.out_w, b.stats
-            lay, expert_x, expert_scales = b.layout, b.expert_x, b.expert_scales
-            # Handle memory: handle_bytes, 16-byte aligned (the caching allocator aligns to 512).
-            memory = handle.memory if reuse else new((self.handle_bytes + 3) // 4)
+            outs = self._dispatch_shapes(expert_major, reuse_memory is not None,
+                                         lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
+            i, o = self._dispatch_views(op, outs, x, topk_ids, topk_weights, scales, expert_major)
+            memory = reuse_memory if reuse_memory is not None else outs[_OUT_HANDLE]
             o.handle_memory = _view(op, "handle memory", memory)
-            h = Handle(handle._cpp if reuse else _ext.EpHandle(), int(x.shape[0]), memory)
-            round_id = self._begin(op, "dispatch", rank)
-            tensors = [x, scales, topk_ids, topk_weights, memory] + b.tensors()
-            status = self._enqueue(rank, lambda s: self._group.dispatch(rank, i, o, h._cpp, bool(reuse), s), tensors)
-        if not status.ok:
-            self._fail(status)
-        if deferred:
-            check_status(self._broken)
-        d = GpuDispatched(self, rank, round_id, out_x, out_scales, src_rank, src_token, out_ids, out_w, stats, lay,
-                          expert_x, expert_scales, h)
-        self._latest[rank] = weakref.ref(d)  # weak: the outputs are the caller's to free
-        return d
+            # A handle that cannot be adopted stays invalid: the call still enqueues (its kernels
+            # tell the peers) and then raises the adoption's error.
+            h, adopted = self._adopt(op, rank, memory if reuse_memory is not None else None, x.shape[0], expert_major)
+            self._begin(op, "dispatch", rank, memory)
+            reuse = reuse_memory is not None
+            status = self._enqueue(rank, lambda s: self._group.dispatch(rank, i, o, h, reuse, s),
+                                   [x, scales, topk_ids, topk_weights, memory] + outs)
+        self._finish(status, adopted, deferred)
+        self._latest_memory[rank] = memory.data_ptr()
+        return outs
 
-    def combine(self, rank: int, handle: Any, y: Tensor, *, expert_major: bool = True,
-                out: Optional[Tensor] = None, accumulate: bool = False,
-                out_dtype: Optional[torch.dtype] = None) -> Tensor:
-        """CpuGroup.combine on CUDA tensors of the group's device (y may have fewer rows than
-        the capacity; it is then copied into a zero-padded buffer of the full capacity)."""
+    def _combine_impl(self, rank: int, memory: Tensor, tokens: int, dispatch_expert_major: bool, y: Tensor,
+                      expert_major: bool, out: Tensor, accumulate: bool) -> None:
         op = f"ep combine (rank {rank})"
-        rank = self._check_rank(op, rank)
         deferred = self._admit("combine", rank)
-        if not isinstance(y, Tensor):
-            raise TypeError(f"{op}: argument 'y': expected a torch.Tensor, got {type(y).__name__}")
-        if not isinstance(handle, Handle) or handle.memory is None:
-            raise TypeError(f"{op}: argument 'handle': expected the Handle of a dispatch of this group "
-                            "(GpuDispatched.handle)")
-        need = self.max_expert_rows if expert_major else self.max_recv_rows
         with torch.cuda.device(self.device):
-            if y.dim() == 2 and y.shape[0] < need:  # the C++ contract takes the full capacity
-                full = torch.zeros(need, y.shape[1], dtype=y.dtype, device=y.device)
-                full[: y.shape[0]] = y
-                y = full
-            if out is None:
-                out = torch.empty(handle.tokens, self._config.hidden, dtype=out_dtype or y.dtype, device=self.device)
+            h, adopted = self._adopt(op, rank, memory, tokens, dispatch_expert_major)
+            y = self._padded_y(y, expert_major)
             ci = _ext.EpCombineInputs()
             ci.expert_major = bool(expert_major)
             ci.y = _view(op, "y", y)
             out_view = _view(op, "out", out)
-            self._begin(op, "combine", rank)
-            status = self._enqueue(rank, lambda s: self._group.combine(rank, handle._cpp, ci, out_view,
-                                                                       bool(accumulate), s),
-                                   [y, out, handle.memory])
+            self._begin(op, "combine", rank, memory)
+            status = self._enqueue(rank, lambda s: self._group.combine(rank, h, ci, out_view, bool(accumulate), s),
+                                   [y, out, memory])
+        self._finish(status, adopted, deferred)
+
+    def _adopt(self, op: str, rank: int, memory: Optional[Tensor], tokens: int, expert_major: bool) -> Tuple[Any, Any]:
+        """The C++ handle of the dispatch whose handle memory is `memory` (a new one for None),
+        and the Status of adopting it."""
+        h = _ext.EpHandle()
+        if memory is None:
+            return h, None
+        return h, self._group.adopt_handle(rank, _view(op, "handle memory", memory), int(tokens), bool(expert_major), h)
+
+    def _finish(self, status: Any, adopted: Any, deferred: bool) -> None:
+        """After a call was enqueued: raise its error (the handle's first), or the earlier rank's
+        error a deferred call repeats."""
+        if adopted is not None and not adopted.ok:
+            self._fail(adopted)
         if not status.ok:
             self._fail(status)
         if deferred:
             check_status(self._broken)
-        return out
 
 
 class LoopbackGroup(_GpuGroupBase):
@@ -515,18 +635,19 @@ class LoopbackGroup(_GpuGroupBase):
     earlier raises). Ranks must make the same collective in the same order; a rank calling out of
     turn is refused with ValueError before anything is enqueued. Output tensors and the handle
     memory are allocated per call with torch's caching allocator on the current stream (and
-    recorded on the rank's stream).
+    recorded on the rank's stream). A whole round (every rank's dispatch, or combine) can be
+    captured in a CUDA graph or compiled with torch.compile.
 
     Errors: a call whose own arguments are bad raises ValueError / TypeError naming them (its
     kernels are still enqueued, to tell the peers); the same collective's later calls are still
     enqueued and raise the same error, and check() / synchronize() raise ValueError naming that
     rank (the ranks that called earlier learn it there). A rank that never makes its call makes
     the waiting ranks' kernels stop after timeout_seconds; check() or synchronize() then raise
-    TimeoutError naming the step and the missing rank. After either the group refuses every call (build a new one).
+    TimeoutError naming the step and the missing rank. After either the group refuses every call
+    (build a new one).
 
     R may not exceed the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set
-    before CUDA starts). Not yet run on a GPU from Python (the C++ loopback group has passed its
-    GPU tests)."""
+    before CUDA starts)."""
 
     _what = "ep loopback group"
 
@@ -549,16 +670,13 @@ class LoopbackGroup(_GpuGroupBase):
         self._round_kind = ""
         self._round_ranks: set = set()
         self._rounds_done = 0  # collectives every rank has made
-        self._dispatch_round = -1  # the round of the latest dispatch
-
-    def _local_ranks(self) -> Sequence[int]:
-        return range(self.num_ranks)
+        self._dispatch_round: Dict[int, int] = {}  # handle memory data_ptr -> round of its dispatch
 
     def stream(self, rank: int) -> torch.cuda.Stream:
         """The stream rank `rank`'s calls run on."""
         return self._streams[self._check_rank("ep stream", rank)]
 
-    def _begin(self, op: str, kind: str, rank: int) -> int:
+    def _begin(self, op: str, kind: str, rank: int, memory: Tensor) -> None:
         if self._round_ranks and kind != self._round_kind:
             missing = sorted(set(range(self.num_ranks)) - self._round_ranks)
             raise ValueError(f"{op}: ranks {missing} have not made their {self._round_kind} yet; every rank makes "
@@ -568,8 +686,7 @@ class LoopbackGroup(_GpuGroupBase):
             raise ValueError(f"{op}: rank {rank} already made this {kind}; ranks {missing} have not yet")
         self._round_kind = kind
         if kind == "dispatch":
-            self._dispatch_round = self._rounds_done
-        return self._rounds_done
+            self._dispatch_round[memory.data_ptr()] = self._rounds_done
 
     def _admit(self, kind: str, rank: int) -> bool:
         try:
@@ -583,10 +700,8 @@ class LoopbackGroup(_GpuGroupBase):
             raise
         return False
 
-    def _require_round_complete(self, round_id: int, what: str) -> None:
-        if round_id < 0:  # received_rows: the latest dispatch
-            round_id = self._dispatch_round
-        if round_id >= self._rounds_done:
+    def _require_complete(self, memory_ptr: int, what: str) -> None:
+        if self._dispatch_round.get(memory_ptr, -1) >= self._rounds_done:
             missing = sorted(set(range(self.num_ranks)) - self._round_ranks)
             raise RuntimeError(f"{self._what}: {what} before ranks {missing} made their dispatch: its results are "
                                "ready once every rank has made it")
@@ -617,12 +732,12 @@ class GpuGroup(_GpuGroupBase):
     """This process's rank of a GPU group over a torch.distributed process group: one process
     per GPU (torchrun), the ranks' regions mapped through CUDA IPC (ep.h
     GpuGroup::create_ipc), their handles exchanged with all_gather_object over `group` (None:
-    the default group; gloo or nccl). Every rank must construct it with the same arguments.
-    Same dispatch / combine / Handle surface as CpuGroup with rank = this process's rank
-    (`self.rank`), CUDA tensors of `device` (default: the current device), the calls enqueued on
-    the current stream. Needs peer access between the GPUs (NVLink, or one GPU shared by the
-    processes). Errors as LoopbackGroup's. Not yet run on a GPU from Python (the C++ IPC group has
-    passed its two-process GPU test)."""
+    the default group; gloo or nccl). Every rank must construct it with the same arguments
+    (checked: a mismatch fails on every rank, naming the field). Same dispatch / combine /
+    Handle surface as CpuGroup with rank = this process's rank (`self.rank`), CUDA tensors of
+    `device` (default: the current device), the calls enqueued on the current stream. Needs
+    peer access between the GPUs (NVLink, or one GPU shared by the processes). Errors as
+    LoopbackGroup's."""
 
     _what = "ep gpu group"
 
@@ -639,10 +754,25 @@ class GpuGroup(_GpuGroupBase):
                                "torch.distributed.init_process_group first (gloo or nccl)")
         pg = group if group is not None else dist.group.WORLD
         rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        c = _group_config(world, num_experts, top_k, max_tokens, hidden, dtype, scale_cols, tile_size,
-                          timeout_seconds, partial_dtype)
-        o = _gpu_options(worst_case, num_sms)
-        dev = _cuda_device(self._what, device)
+        # Arguments that fail here on one rank fail on every rank: each rank's config check runs
+        # before any exchange, and the exchange below carries each rank's verdict, so no rank
+        # waits in an all-gather its peers never reach.
+        error: Optional[BaseException] = None
+        try:
+            c = _group_config(world, num_experts, top_k, max_tokens, hidden, dtype, scale_cols, tile_size,
+                              timeout_seconds, partial_dtype)
+            o = _gpu_options(worst_case, num_sms)
+            dev = _cuda_device(self._what, device)
+        except (ValueError, TypeError, RuntimeError) as e:
+            error = e
+        verdicts: List[Any] = [None] * world
+        dist.all_gather_object(verdicts, None if error is None else f"{type(error).__name__}: {error}", group=pg)
+        if error is not None:
+            raise error
+        bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        if bad:
+            r, v = bad[0]
+            raise ValueError(f"{self._what} (rank {rank}): rank {r} could not create its group: {v}")
 
         def all_gather(mine: bytes) -> bytes:
             got: List[Any] = [None] * world

@@ -158,6 +158,9 @@ Status GpuGroup::dispatch(int, const DispatchInputs&, const DispatchOutputs&, Ha
   return no_cuda("ep dispatch");
 }
 Status GpuGroup::received_rows(int, std::int64_t*) { return no_cuda("ep received_rows"); }
+Status GpuGroup::adopt_handle(int, const TensorView&, std::int64_t, bool, Handle*) const {
+  return no_cuda("ep adopt_handle");
+}
 Status GpuGroup::combine(int, const Handle&, const CombineInputs&, const TensorView&, bool, Stream) {
   return no_cuda("ep combine");
 }

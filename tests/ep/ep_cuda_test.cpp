@@ -554,6 +554,48 @@ TEST_F(EpCuda, ReuseGivesTheSameOutputs) {
   w.compare_combine();
 }
 
+// A handle rebuilt from its dispatch's memory (adopt_handle: how the PyTorch ops carry it)
+// combines as the dispatch's own; bad memory or token counts are refused, naming the argument.
+TEST_F(EpCuda, AdoptedHandleCombinesTheSame) {
+  Case c;
+  c.R = 3;
+  c.L = 2;
+  c.K = 4;
+  c.max_tokens = 19;
+  c.H = 24;
+  c.expert_major = true;
+  c.M = 3;
+  const std::uint64_t seed = sy_test::test_seed();
+  SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
+  World w(c, seed);
+  if (!w.gpu) return;
+  w.fill_inputs();
+  w.poison_outputs(true);
+  ASSERT_TRUE(w.dispatch(true));
+  ASSERT_TRUE(w.sync_and_check());
+  w.compare_dispatch(true);
+  for (int r = 0; r < c.R; ++r) {
+    RankData& d = w.ranks[r];
+    const TensorView mem = TensorView::of(d.handle_memory.get(), DType::kInt32, {ep::handle_bytes(w.cfg) / 4}, Device::cuda(0));
+    ep::Handle adopted;
+    const Status st = w.gpu->adopt_handle(r, mem, d.T, true, &adopted);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    d.gpu_handle = adopted;
+    ep::Handle bad;
+    const Status big = w.gpu->adopt_handle(r, mem, c.max_tokens + 1, true, &bad);
+    EXPECT_EQ(big.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(big.message().find("tokens"), std::string::npos) << big.message();
+    TensorView small = mem;
+    small.shape[0] = 16;
+    EXPECT_NE(w.gpu->adopt_handle(r, small, d.T, true, &bad).message().find("handle_memory"), std::string::npos);
+    EXPECT_FALSE(bad.valid());
+  }
+  w.fill_combine_inputs();
+  ASSERT_TRUE(w.combine());
+  ASSERT_TRUE(w.sync_and_check());
+  w.compare_combine();
+}
+
 // 50 dispatch/combine pairs with no host synchronization between them: two input sets in turn,
 // each pair's combine output in its own buffer, all checked at the end.
 TEST_F(EpCuda, BackToBackWithoutHostSync) {

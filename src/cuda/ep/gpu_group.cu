@@ -481,16 +481,17 @@ Status check_stream(GpuGroup::State& s, int rank, Stream stream, const ArgChecke
   return Status::Ok();
 }
 
-Status check_handle_memory(const GroupConfig& c, const ArgChecker& check, const TensorView& m, Device dev) {
+Status check_handle_memory(const GroupConfig& c, const ArgChecker& check, const TensorView& m, Device dev,
+                           const char* name = "out.handle_memory") {
   const std::int64_t need = handle_bytes(c);
-  if (m.absent()) return check.fail_arg("out.handle_memory", "is absent; a GPU dispatch needs handle_bytes(config) = " + std::to_string(need) + " bytes");
-  if (m.device != dev) return check.fail_arg("out.handle_memory", "is not on the group's device");
+  if (m.absent()) return check.fail_arg(name, "is absent; a GPU dispatch needs handle_bytes(config) = " + std::to_string(need) + " bytes");
+  if (m.device != dev) return check.fail_arg(name, "is not on the group's device");
   if (!m.is_contiguous() || static_cast<std::int64_t>(m.nbytes()) < need) {
-    return check.fail_arg("out.handle_memory", "must be contiguous with at least handle_bytes(config) = " +
-                                                   std::to_string(need) + " bytes, has " + std::to_string(m.nbytes()));
+    return check.fail_arg(name, "must be contiguous with at least handle_bytes(config) = " +
+                                    std::to_string(need) + " bytes, has " + std::to_string(m.nbytes()));
   }
   if (m.data == nullptr || reinterpret_cast<std::uintptr_t>(m.data) % 16 != 0) {
-    return check.fail_arg("out.handle_memory", "must be non-null and 16-byte aligned");
+    return check.fail_arg(name, "must be non-null and 16-byte aligned");
   }
   return Status::Ok();
 }
@@ -632,6 +633,31 @@ Status GpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
   plan->gpu.rank = rank;
   plan->gpu.memory = out.handle_memory.data;
   plan->gpu.tokens = T;
+  plan->gpu.expert_major = expert_major;
+  handle->plan = plan;
+  return Status::Ok();
+}
+
+Status GpuGroup::adopt_handle(int rank, const TensorView& handle_memory, std::int64_t tokens, bool expert_major,
+                              Handle* handle) const {
+  const State& s = *state_;
+  const GroupConfig& c = s.config;
+  SY_RETURN_IF_ERROR(detail::check_rank("ep adopt_handle", rank, c.num_ranks));
+  if (!s.ranks[static_cast<std::size_t>(rank)].local) {
+    return Status::InvalidArgument("ep adopt_handle: rank " + std::to_string(rank) + " is not driven by this process");
+  }
+  if (handle == nullptr) return Status::InvalidArgument("ep adopt_handle: argument 'handle' is null");
+  const ArgChecker checker("ep adopt_handle");
+  SY_RETURN_IF_ERROR(check_handle_memory(c, checker, handle_memory, Device::cuda(s.device), "handle_memory"));
+  if (tokens < 0 || tokens > c.max_tokens) {
+    return checker.fail_arg("tokens", std::to_string(tokens) + " is outside [0, max_tokens = " +
+                                          std::to_string(c.max_tokens) + "]");
+  }
+  auto plan = std::make_shared<Handle::Plan>();
+  plan->group = &s;
+  plan->gpu.rank = rank;
+  plan->gpu.memory = handle_memory.data;
+  plan->gpu.tokens = tokens;
   plan->gpu.expert_major = expert_major;
   handle->plan = plan;
   return Status::Ok();

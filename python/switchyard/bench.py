@@ -35,6 +35,8 @@ import time
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import bench_ep
+
 ALL_OPS = ("route", "layout", "route_layout", "gather", "combine", "pipeline")
 ALL_SKEWS = ("uniform", "zipf", "hot")
 LOGIT_DTYPES = ("fp32", "bf16", "fp16")
@@ -786,7 +788,8 @@ def markdown_table(points: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_plot(path: str, points: List[Dict[str, Any]], title: str = "") -> Tuple[bool, str]:
+def write_plot(path: str, points: List[Dict[str, Any]], title: str = "",
+               all_ops: Sequence[str] = ALL_OPS) -> Tuple[bool, str]:
     """(written, message). title: the figure's heading (backend, device, commit); unstable
     points are drawn hollow."""
     try:
@@ -796,7 +799,7 @@ def write_plot(path: str, points: List[Dict[str, Any]], title: str = "") -> Tupl
         import matplotlib.pyplot as plt
     except ImportError as e:
         return False, f"plot not written: matplotlib is not importable ({e}); {_PIP_MATPLOTLIB}"
-    ops = [op for op in ALL_OPS if any(p["op"] == op and "median_us" in p for p in points)]
+    ops = [op for op in all_ops if any(p["op"] == op and "median_us" in p for p in points)]
     if not ops:
         return False, "plot not written: no timed points"
     cols = min(3, len(ops))
@@ -879,6 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     ap.add_argument("--max-spread", type=float, default=MAX_SPREAD,
                     help="flag a point as unstable when (p90 - p10) / median exceeds this")
+    bench_ep.add_arguments(ap)
     return ap
 
 
@@ -924,6 +928,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     on_gpu = args.device != "cpu" and gpu_reason is None
     if args.device == "cpu" and gpu_reason is None:
         gpu_reason = "--device cpu"
+
+    if args.ep:
+        if not on_gpu:
+            print(f"switchyard-bench: --ep times the GPU loopback group and needs a GPU with the CUDA backend "
+                  f"({gpu_reason}); switchyard.ep.CpuGroup runs anywhere but is a reference, not timed here",
+                  file=sys.stderr)
+            return 2
+        return _main_ep(args, argv, ap, torch, sy)
 
     defaults = SMOKE if args.smoke else (GPU_DEFAULT if on_gpu else CPU_DEFAULT)
     presets = list(sy.presets) if args.presets == "all" else (
@@ -1082,6 +1094,90 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not written:
             return 1
     return 0
+
+
+def _main_ep(args: Any, argv: List[str], ap: argparse.ArgumentParser, torch: Any, sy: Any) -> int:
+    """switchyard-bench --ep (see switchyard/bench_ep.py)."""
+    shapes = _parse_list(args.ep_shapes)
+    _validate(ap, shapes, list(bench_ep.EP_SHAPES), "--ep shape")
+    hdts = _parse_list(args.hidden_dtypes)
+    _validate(ap, hdts, ["bf16", "fp16", "fp32"], "--ep hidden dtype")
+    if args.ep_ranks < 1:
+        ap.error("argument --ep-ranks: must be >= 1")
+    tokens = list(args.tokens) if args.tokens else ([8] if args.smoke else list(bench_ep.EP_TOKENS))
+    replays = min(args.replays, 5) if args.smoke else args.replays
+    budget = min(args.budget, 0.05) if args.smoke else args.budget
+    ctx = Context()
+    ctx.torch, ctx.tile_size, ctx.baseline, ctx.max_spread = torch, args.tile_size, not args.no_torch, args.max_spread
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    device_desc = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
+    print(f"switchyard-bench --ep: {props.name}, LoopbackGroup of {args.ep_ranks} ranks on one GPU - one call is "
+          "a round (every rank's dispatch or combine), timed in CUDA graphs; the PyTorch equivalent eagerly")
+    sys.stdout.flush()
+    bw = measure_copy_bandwidth(torch, "cuda", 1 << 30)
+    ctx.copy_bw = bw["bytes_per_s"]
+    plan = [(shape, T, hdt) for shape in shapes for hdt in hdts for T in tokens]
+    progress = Progress(len(plan), not args.quiet)
+    points: List[Dict[str, Any]] = []
+    started = time.perf_counter()
+    for shape, T, hdt in plan:
+        progress.step(f"{shape} T={T} per rank, {hdt}")
+        # Several rounds per graph where the outputs are small; one where a round's full-capacity
+        # outputs take GBs.
+        ctx.timer = GpuTimer(torch, min(args.calls, 4) if T <= 512 else 1, replays, budget)
+        try:
+            pts = bench_ep.run_point(ctx, shape, T, args.ep_ranks, hdt)
+        except Exception as e:
+            pts = [{"shape": shape, "R": args.ep_ranks, "tokens": T, "dtype": hdt,
+                    "error": f"{type(e).__name__}: {str(e)[:300]}"}]
+            torch.cuda.synchronize()
+        for p in pts:  # the keys the plot groups by
+            p.update(preset=p["shape"], skew="uniform", logit_dtype=None, hidden_dtype=hdt,
+                     floor_us=1e6 * p.get("bytes", 0.0) / ctx.copy_bw)
+        points += pts
+        torch.cuda.empty_cache()
+    progress.finish()
+    print(f"device: {device_desc}; switchyard {sy.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    print(f"copy bandwidth (read + written): {ctx.copy_bw / 1e9:.0f} GB/s")
+    print()
+    print(bench_ep.markdown_table(points))
+    print()
+    print(f"- {bench_ep.EP_NOTE}")
+    print("- DeepEP MB: a token once per destination rank (dispatch: its row; combine: H x 2 bytes); GB/s: the "
+          "R ranks' bytes over the round's time; % copy: that over the copy bandwidth (one GPU's memory carries "
+          "every rank's traffic)")
+    result = {
+        "tool": "switchyard-bench --ep",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "repro": "python -m switchyard.bench " + shlex.join(argv),
+        "argv": argv,
+        "commit": _git_commit(),
+        "device": device_desc,
+        "versions": {"switchyard": sy.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "driver": _driver_version(), "python": platform.python_version()},
+        "copy_bandwidth_bytes_per_s": ctx.copy_bw,
+        "settings": {"shapes": shapes, "tokens_per_rank": tokens, "ranks": args.ep_ranks, "dtypes": hdts,
+                     "tile_size": args.tile_size, "replays": replays, "torch_baselines": ctx.baseline},
+        "notes": {"method": bench_ep.__doc__.strip(), "ops": bench_ep.EP_NOTE},
+        "elapsed_s": time.perf_counter() - started,
+        "points": points,
+    }
+    path = args.json
+    if path == "switchyard_bench.json":  # the default: a file of its own
+        path = "switchyard_bench_ep.json"
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"JSON written to {path}")
+    if args.plot:
+        title = (f"switchyard-bench --ep: LoopbackGroup R={args.ep_ranks} on {device_desc}; commit "
+                 f"{result['commit'][:12]}; x: tokens per rank")
+        written, message = write_plot(args.plot, points, title, all_ops=("ep_dispatch", "ep_combine"))
+        print(message)
+        if not written:
+            return 1
+    bad = [p for p in points if "error" in p or str(p.get("check", "")).startswith("DIFFERS")]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -636,7 +636,11 @@ class LoopbackGroup(_GpuGroupBase):
     turn is refused with ValueError before anything is enqueued. Output tensors and the handle
     memory are allocated per call with torch's caching allocator on the current stream (and
     recorded on the rank's stream). A whole round (every rank's dispatch, or combine) can be
-    captured in a CUDA graph or compiled with torch.compile.
+    captured in a CUDA graph. torch.compile traces it (fullgraph) too, but compile with a backend
+    that keeps the program's order, such as backend="aot_eager": Inductor may place a kernel
+    between two ranks' calls, and one that waits for the device there (an autotuning benchmark)
+    waits for a rank not yet enqueued until the timeout. (GpuGroup, one rank per process, has no
+    such constraint.)
 
     Errors: a call whose own arguments are bad raises ValueError / TypeError naming them (its
     kernels are still enqueued, to tell the peers); the same collective's later calls are still

@@ -3,8 +3,7 @@ thread) and GpuGroup (one rank per process over a torch.distributed process grou
 bit for bit against CpuGroup on the same inputs.
 
 Without a GPU and the CUDA backend the GPU tests skip with the reason; what runs everywhere is
-the error a build without the CUDA backend gives. NOTE: the GPU tests of this file have not yet
-run on a GPU."""
+the error a build without the CUDA backend gives."""
 
 import os
 import socket

@@ -469,11 +469,12 @@ def training_step(layer, x, target):
     return F.mse_loss(out, target) + 1e-3 * sy.z_loss(x @ layer.router.t())
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_training_step_matches_eager(backend):
-    layer = TiledTrainableMoE("mixtral-8x7b", 16, 4)
-    x = torch.randn(20, 16, generator=seeded(1)).requires_grad_()
-    target = torch.randn(20, 16, generator=seeded(2))
+def test_compiled_training_step_matches_eager(backend, device):
+    layer = TiledTrainableMoE("mixtral-8x7b", 16, 4).to(device)
+    x = torch.randn(20, 16, generator=seeded(1)).to(device).requires_grad_()
+    target = torch.randn(20, 16, generator=seeded(2)).to(device)
     params = [x] + list(layer.parameters())
 
     loss = training_step(layer, x, target)

@@ -18,7 +18,7 @@ import types
 
 import pytest
 
-from sy_testing import require_torch
+from sy_testing import cuda_skip_reason, require_torch
 
 torch = require_torch()
 
@@ -152,14 +152,14 @@ def input_ids(batch=2, length=9):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(2))
 
 
-def logits_with(model, experts, patched=False):
+def logits_with(model, experts, patched=False, device="cpu"):
     model.set_experts_implementation(experts)
     sy_hf.unpatch_routers(model)
     if patched:
         assert sy_hf.patch_routers(model) == len(moe_blocks(model))
     try:
         with torch.no_grad():
-            return model(input_ids()).logits
+            return model(input_ids().to(device)).logits
     finally:
         sy_hf.unpatch_routers(model)
 
@@ -511,3 +511,34 @@ def test_outputs_are_run_to_run_identical():
     first = logits_with(model, "switchyard", patched=True)
     for _ in range(3):
         assert torch.equal(logits_with(model, "switchyard", patched=True), first)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+needs_gpu = pytest.mark.skipif(cuda_skip_reason() is not None, reason=f"GPU checks: {cuda_skip_reason()}")
+
+
+@needs_gpu
+@each_model
+def test_cuda_bf16_logits_match_eager(name):
+    """bf16 on the GPU: "switchyard" (and with patched routers) is as close to "eager" as
+    transformers' own "grouped_mm" is, or within atol 2e-2 (logits of magnitude ~0.5)."""
+    model = tiny_model(name).to("cuda", torch.bfloat16)
+    eager = logits_with(model, "eager", device="cuda").float()
+    grouped = logits_with(model, "grouped_mm", device="cuda").float()
+    bound = max(2e-2, 2 * float((grouped - eager).abs().max()))
+    for patched in (False, True):
+        got = logits_with(model, "switchyard", patched=patched, device="cuda").float()
+        err = float((got - eager).abs().max())
+        assert err <= bound, f"patched={patched}: max abs error {err:.3g} against eager, bound {bound:.3g}"
+
+
+@needs_gpu
+@each_model
+def test_cuda_twenty_forwards_are_identical(name):
+    """The determinism claim: 20 forwards with "switchyard" (patched routers) give identical
+    bytes on the GPU."""
+    model = tiny_model(name).to("cuda", torch.bfloat16)
+    first = logits_with(model, "switchyard", patched=True, device="cuda")
+    for i in range(19):
+        assert torch.equal(logits_with(model, "switchyard", patched=True, device="cuda"), first), f"forward {i + 2}"

@@ -7,7 +7,8 @@
 // fits in L2 (60 MB) the calls rotate over several sets so that most reads come from HBM.
 // Bytes = logits + bias + ids (int32) + weights (fp32); floor = bytes / measured copy bandwidth.
 //
-// Usage: bench_routing [out.json] [name-filter]
+// Usage: bench_routing [--staged=auto|never|always] [--staged-approx] [out.json] [name-filter]
+//   --staged...  switchyard::RouteOptions for every call (same-process comparisons of the forms)
 //   out.json     default bench_routing.json
 //   name-filter  only configurations whose name contains one of these comma-separated strings
 #include <cuda_runtime.h>
@@ -153,8 +154,29 @@ bool name_selected(const std::string& name, const std::string& filter) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string out_path = argc > 1 ? argv[1] : "bench_routing.json";
-  const std::string filter = argc > 2 ? argv[2] : "";
+  switchyard::RouteOptions options;
+  std::vector<std::string> positional;
+  for (int a = 1; a < argc; ++a) {
+    const std::string arg = argv[a];
+    if (arg == "--staged-approx") {
+      options.staged_approx = true;
+    } else if (arg == "--staged=always" || arg == "--staged=never" || arg == "--staged=auto") {
+      options.staged = arg == "--staged=always"  ? switchyard::RouteOptions::Choice::kAlways
+                       : arg == "--staged=never" ? switchyard::RouteOptions::Choice::kNever
+                                                 : switchyard::RouteOptions::Choice::kAuto;
+    } else if (arg.rfind("--", 0) == 0) {
+      std::fprintf(stderr, "bench_routing: unknown option %s (expected --staged=auto|never|always, --staged-approx)\n",
+                   arg.c_str());
+      return 2;
+    } else {
+      positional.push_back(arg);
+    }
+  }
+  const std::string out_path = positional.size() > 0 ? positional[0] : "bench_routing.json";
+  const std::string filter = positional.size() > 1 ? positional[1] : "";
+  const char* staged_name = options.staged == switchyard::RouteOptions::Choice::kAlways  ? "always"
+                            : options.staged == switchyard::RouteOptions::Choice::kNever ? "never"
+                                                                                         : "auto";
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::fprintf(stderr, "bench_routing: no CUDA device\n");
@@ -230,7 +252,7 @@ int main(int argc, char** argv) {
                 bc.routing, TensorView::of(s.logits, dtype, {T, E}, Device::cuda()),
                 bc.has_bias ? TensorView::of(s.bias, DType::kFloat32, {E}, Device::cuda()) : TensorView{},
                 TensorView::of(s.ids, DType::kInt32, {T, K}, Device::cuda()),
-                TensorView::of(s.weights, DType::kFloat32, {T, K}, Device::cuda()), stream);
+                TensorView::of(s.weights, DType::kFloat32, {T, K}, Device::cuda()), stream, options);
             if (!st.ok()) std::fprintf(stderr, "route failed: %s\n", st.to_string().c_str());
             return st.ok();
           });
@@ -288,6 +310,8 @@ int main(int argc, char** argv) {
       .str("device", device)
       .str("date", sy_bench::utc_now())
       .str("commit", SY_GIT_COMMIT)
+      .str("route_options", std::string("staged=") + staged_name +
+                                (options.staged_approx ? ", staged_approx" : ""))
       .num("copy_bandwidth_bytes_per_s", bandwidth)
       .str("method", "20 calls per CUDA graph, 200 replays, median per call (docs/benchmarking.md)")
       .str("repro", "bench_routing " + out_path + (filter.empty() ? "" : " " + filter))

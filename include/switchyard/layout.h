@@ -107,8 +107,21 @@ Status layout_workspace_size(const LayoutConfig& config, std::int64_t num_tokens
 // one-block kernel up to 4096 picks, else the multi-launch pipeline). Make a first call of each
 // shape before such kernels run: CUDA loads kernels lazily at their first launch, and that load
 // can wait for running kernels.
+//
+// `options` forces a form the CUDA backend otherwise picks from the call's size and the device
+// (tests reach every form with it; measurements compare forms in one process). Every choice gives
+// the same arrays; where a forced form cannot serve the call (it does not fit, or
+// config.independent_blocks excludes it), the default is taken. The CPU backend ignores it.
+struct LayoutOptions {
+  enum class Path { kAuto, kOneBlock, kCluster8, kCluster16, kGrid32, kGrid64, kGrid128, kChunked };
+  Path path = Path::kAuto;
+  // The one-launch forms rank picks by warp ballots where they would use per-token bitmaps.
+  bool rank_by_ballots = false;
+};
+
 Status layout(const LayoutConfig& config, const TensorView& topk_ids, const Layout& out,
-              void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
+              void* workspace, std::size_t workspace_bytes, Stream stream = nullptr,
+              const LayoutOptions& options = LayoutOptions());
 
 // route_and_layout: route (routing.h) then layout of the resulting ids, one call (the CUDA
 // backend chains the two kernels with programmatic dependent launch). Same arguments and rules
@@ -117,6 +130,7 @@ Status route_and_layout(const RoutingConfig& routing, const TensorView& logits,
                         const TensorView& bias, const TensorView& topk_ids,
                         const TensorView& topk_weights, const LayoutConfig& layout_config,
                         const Layout& out, void* workspace, std::size_t workspace_bytes,
-                        Stream stream = nullptr);
+                        Stream stream = nullptr, const RouteOptions& route_options = RouteOptions(),
+                        const LayoutOptions& layout_options = LayoutOptions());
 
 }  // namespace switchyard

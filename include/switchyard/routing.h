@@ -93,7 +93,30 @@ Status find_preset(const std::string& name, ModelPreset* preset);
 // logits, 32768 with fp32) takes its weights on the CUDA backend from the K picks alone (the full
 // softmax cancels out of the normalisation), within 1e-6 relative of the CPU backend's; the ids
 // are the same.
+//
+// `options` forces kernel forms the CUDA backend otherwise picks from the call's shape (tests reach
+// every form with them; measurements compare forms in one process). Every choice gives the same
+// ids and weights; where a forced form cannot serve the call, the default is taken. The CPU
+// backend has one form and ignores them.
+struct RouteOptions {
+  enum class Choice { kAuto, kNever, kAlways };
+  // Rows of up to 128 experts: one warp per row, narrow segments of one or two stripes, or one
+  // thread per row (where that fits: E <= 16, K <= 8), at every T.
+  enum class SmallRowForm { kAuto, kWarp, kNarrow, kNarrow2, kRows };
+  SmallRowForm small_row_form = SmallRowForm::kAuto;
+  bool narrow_packed = true;       // narrow segments on packed candidate buffers where K fits them
+  Choice streamed = Choice::kAuto;  // streamed narrow segments (129-192 experts, no group limit)
+  Choice staged = Choice::kAuto;    // the staged kernels (softmax picks, sigmoid + bias rows)
+  // Staged sigmoid + bias rows select on approximate sigmoids and then certify every decision
+  // (redoing a doubtful row exactly); off: exact sigmoids.
+  bool staged_approx = false;
+  // Wide rows (E > 512 without a group limit) on packed candidate buffers at every T; off: from
+  // the row count where they are faster.
+  bool wide_packed_always = false;
+};
+
 Status route(const RoutingConfig& config, const TensorView& logits, const TensorView& bias,
-             const TensorView& topk_ids, const TensorView& topk_weights, Stream stream = nullptr);
+             const TensorView& topk_ids, const TensorView& topk_weights, Stream stream = nullptr,
+             const RouteOptions& options = RouteOptions());
 
 }  // namespace switchyard

@@ -82,10 +82,11 @@ Status layout_workspace_size(const LayoutConfig& config, std::int64_t num_tokens
 }
 
 Status layout(const LayoutConfig& config, const TensorView& topk_ids, const Layout& out, void* workspace,
-              std::size_t workspace_bytes, Stream stream) {
+              std::size_t workspace_bytes, Stream stream, const LayoutOptions& options) {
   const detail::ArgChecker check("layout");
   detail::LayoutArgs args;
   SY_RETURN_IF_ERROR(detail::check_layout_args(check, config, topk_ids, out, workspace, workspace_bytes, &args));
+  args.options = options;
   SY_RETURN_IF_ERROR(check_workspace(check, args, topk_ids.device));
   SY_RETURN_IF_ERROR(detail::backend_available("layout", topk_ids.device));
 #if defined(SWITCHYARD_WITH_CUDA)
@@ -98,10 +99,12 @@ Status layout(const LayoutConfig& config, const TensorView& topk_ids, const Layo
 Status route_and_layout(const RoutingConfig& routing, const TensorView& logits, const TensorView& bias,
                         const TensorView& topk_ids, const TensorView& topk_weights,
                         const LayoutConfig& layout_config, const Layout& out, void* workspace,
-                        std::size_t workspace_bytes, Stream stream) {
+                        std::size_t workspace_bytes, Stream stream, const RouteOptions& route_options,
+                        const LayoutOptions& layout_options) {
   const detail::ArgChecker check("route_and_layout");
   detail::RouteArgs route_args;
   SY_RETURN_IF_ERROR(detail::check_route_args(check, routing, logits, bias, topk_ids, topk_weights, &route_args));
+  route_args.options = route_options;
   if (layout_config.num_experts != routing.num_experts) {
     return check.fail_arg("layout_config.num_experts", "must equal routing.num_experts = " +
                                                            std::to_string(routing.num_experts));
@@ -109,6 +112,7 @@ Status route_and_layout(const RoutingConfig& routing, const TensorView& logits, 
   detail::LayoutArgs layout_args;
   SY_RETURN_IF_ERROR(detail::check_layout_args(check, layout_config, topk_ids, out, workspace, workspace_bytes,
                                                &layout_args));
+  layout_args.options = layout_options;
   SY_RETURN_IF_ERROR(check_workspace(check, layout_args, logits.device));
   SY_RETURN_IF_ERROR(detail::backend_available("route_and_layout", logits.device));
 #if defined(SWITCHYARD_WITH_CUDA)

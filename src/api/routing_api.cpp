@@ -71,10 +71,12 @@ Status validate(const RoutingConfig& config) {
 }
 
 Status route(const RoutingConfig& config, const TensorView& logits, const TensorView& bias,
-             const TensorView& topk_ids, const TensorView& topk_weights, Stream stream) {
+             const TensorView& topk_ids, const TensorView& topk_weights, Stream stream,
+             const RouteOptions& options) {
   detail::RouteArgs args;
   SY_RETURN_IF_ERROR(detail::check_route_args(detail::ArgChecker("route"), config, logits, bias,
                                               topk_ids, topk_weights, &args));
+  args.options = options;
   SY_RETURN_IF_ERROR(detail::backend_available("route", logits.device));
   if (args.num_tokens == 0) return Status::Ok();
 #if defined(SWITCHYARD_WITH_CUDA)

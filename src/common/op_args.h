@@ -23,6 +23,7 @@ struct RouteArgs {
   DType ids_dtype = DType::kInt32;
   void* topk_weights = nullptr;  // [T,K]
   DType weights_dtype = DType::kFloat32;
+  RouteOptions options;
 };
 
 struct LayoutArgs {
@@ -49,6 +50,7 @@ struct LayoutArgs {
   std::int32_t* totals = nullptr;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  LayoutOptions options;
 };
 
 struct GatherArgs {

@@ -21,7 +21,7 @@
 #include "common/cuda_test_util.h"
 #include "common/float_formats.h"
 #include "common/layout_inputs.h"
-#include "common/scoped_env.h"
+#include "common/scoped_value.h"
 #include "common/sm_holder.h"
 #include "common/test_data.h"
 #include "switchyard/layout.h"
@@ -35,6 +35,10 @@ using switchyard::Layout;
 using switchyard::LayoutConfig;
 using switchyard::Status;
 using switchyard::TensorView;
+
+// The kernel options every GPU layout call of this file passes; a test forces a path by setting a
+// field for its scope (sy_test::ScopedValue).
+switchyard::LayoutOptions g_options;
 using sy_test::DeviceBuffer;
 using sy_test::Duplicates;
 using sy_test::kSkews;
@@ -215,7 +219,7 @@ struct GpuLayoutRun {
 
   Status run(cudaStream_t stream = nullptr) {
     return switchyard::layout(make_config(c, expert_map.get(), Device::cuda()), ids_view(), out.views(),
-                              workspace.get(), workspace_bytes, stream);
+                              workspace.get(), workspace_bytes, stream, g_options);
   }
 };
 
@@ -359,12 +363,13 @@ TEST(LayoutCuda, PathBoundaries) {
   }
 }
 
-using sy_test::ScopedEnv;
+using sy_test::ScopedValue;
+using Path = switchyard::LayoutOptions::Path;
 
-// Every path on the same shapes (SWITCHYARD_LAYOUT_PATH forces one where it fits): the one-launch
+// Every path on the same shapes (LayoutOptions::path forces one where it fits): the one-launch
 // kernels far past the sizes the default selection gives them, so each is checked on its own, with
-// both of their ranking methods (SWITCHYARD_LAYOUT_RANK=ballots; any other value leaves the
-// bitmaps where they fit).
+// both of their ranking methods (LayoutOptions::rank_by_ballots; otherwise the bitmaps where they
+// fit).
 TEST(LayoutCuda, ForcedPathsMatchCpu) {
   SY_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test_seed();
@@ -373,12 +378,16 @@ TEST(LayoutCuda, ForcedPathsMatchCpu) {
   const std::pair<std::int64_t, int> shapes[] = {
       {1, 8},    {31, 3},    {512, 8},   {1000, 4},  {4096, 1},  {1537, 8},  {4096, 8},   {3001, 10},
       {8192, 8}, {6553, 10}, {65536, 1}, {40000, 1}, {2047, 16}, {16384, 8}, {24001, 10}, {65536, 8}};
-  for (const char* path : {"one_block", "cluster8", "cluster16", "grid32", "grid64", "grid128", "chunked"}) {
-    for (const char* rank : {"bitmaps", "ballots"}) {
-      if (std::string(path) == "chunked" && std::string(rank) == "ballots") continue;  // no ranking knob
-      SCOPED_TRACE(std::string("SWITCHYARD_LAYOUT_PATH=") + path + " SWITCHYARD_LAYOUT_RANK=" + rank);
-      const ScopedEnv env_path("SWITCHYARD_LAYOUT_PATH", path);
-      const ScopedEnv env_rank("SWITCHYARD_LAYOUT_RANK", rank);
+  const std::pair<Path, const char*> paths[] = {{Path::kOneBlock, "one_block"}, {Path::kCluster8, "cluster8"},
+                                                {Path::kCluster16, "cluster16"}, {Path::kGrid32, "grid32"},
+                                                {Path::kGrid64, "grid64"},       {Path::kGrid128, "grid128"},
+                                                {Path::kChunked, "chunked"}};
+  for (const auto& [path, name] : paths) {
+    for (const bool ballots : {false, true}) {
+      if (path == Path::kChunked && ballots) continue;  // it does not rank that way
+      SCOPED_TRACE(std::string("path ") + name + (ballots ? ", ranking by ballots" : ""));
+      const ScopedValue<Path> forced_path(g_options.path, path);
+      const ScopedValue<bool> forced_rank(g_options.rank_by_ballots, ballots);
       for (const auto& [T, K] : shapes) {
         // (61 and 63 experts: the cluster form's rows of counts in the workspace are not whole
         // 128-byte lines)

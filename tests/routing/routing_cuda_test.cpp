@@ -28,7 +28,7 @@
 #include "common/cuda_test_util.h"
 #include "common/numeric.h"
 #include "common/routing_names.h"
-#include "common/scoped_env.h"
+#include "common/scoped_value.h"
 #include "common/test_data.h"
 #include "routing/sigmoid_approx_bound.h"
 #include "switchyard/switchyard.h"
@@ -44,6 +44,10 @@ using switchyard::PreFn;
 using switchyard::RoutingConfig;
 using switchyard::Status;
 using switchyard::TensorView;
+
+// The kernel options every GPU call of this file passes; a test forces a form by setting a field
+// for its scope (sy_test::ScopedValue).
+switchyard::RouteOptions g_options;
 using sy_test::make_config;
 using sy_test::DeviceBuffer;
 
@@ -517,7 +521,7 @@ void check_case(const Case& c) {
   sy_test::poison(pr.ids_dev);
   sy_test::poison(pr.weights_dev);
   const Status s = switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
-                                     ids_view(pr), weights_view(pr), nullptr);
+                                     ids_view(pr), weights_view(pr), nullptr, g_options);
   ASSERT_TRUE(s.ok()) << s.to_string();
   SY_CUDA_OK(cudaDeviceSynchronize());
   compare(pr, cpu_ids, cpu_w);
@@ -993,11 +997,13 @@ TEST(RoutingCuda, SigmoidBiasNearTies) {
   }
 }
 
-using sy_test::ScopedEnv;
+using sy_test::ScopedValue;
+using Choice = switchyard::RouteOptions::Choice;
+using SmallRowForm = switchyard::RouteOptions::SmallRowForm;
 
 // Wide rows (E > 512) with sigmoid + fp32 bias -> normalize on the specialised wide kernels (aligned
 // rows, fp32 / bf16 logits) at the expert counts the issue names (576, 896) and others, plain
-// buffers (T below kWidePackedMinTokens) and packed buffers (SWITCHYARD_ROUTE_WIDE_PACKED=always
+// buffers (T below kWidePackedMinTokens) and packed buffers (RouteOptions::wide_packed_always
 // puts every T on them; their checks recompute the keys from logit and bias): near-tied rows
 // (neighbouring picks in one bucket: sorted above the last pick's bucket, exact rounds in it), rows
 // with a candidate hidden in the last pick's bucket, lane-heavy rows, ties and special values.
@@ -1007,7 +1013,7 @@ TEST(RoutingCuda, WideSigmoidBiasRows) {
                         Kind::kSpecial,  Kind::kLaneHeavy, Kind::kHiddenInBucket};
   int i = 0;
   for (bool packed : {true, false}) {
-    const ScopedEnv knob("SWITCHYARD_ROUTE_WIDE_PACKED", packed ? "always" : "default");
+    const ScopedValue<bool> knob(g_options.wide_packed_always, packed);
     for (int E : {520, 576, 640, 896, 1024, 1536, 2048}) {
       for (int K : {1, 2, 8, 17, 32}) {
         for (Kind kind : kinds) {
@@ -1070,9 +1076,9 @@ TEST(RoutingCuda, WarpForWideRows) {
 
 // Rows of up to 128 experts in each of their forms: a whole warp per row, narrow segments of one,
 // two or four stripes (route_warp.cuh's kShapeTable), on packed candidate buffers (2 <= K <= W) and
-// on plain ones (SWITCHYARD_ROUTE_NARROW_PACKED=0, and K past W), and one thread per row
-// (route_rows.cuh, E <= 16, K <= 8), each forced at every T through the SWITCHYARD_ROUTE_SMALL_E
-// knob (rows past a form's reach take the default), then the default forms on both sides of their
+// on plain ones (RouteOptions::narrow_packed = false, and K past W), and one thread per row
+// (route_rows.cuh, E <= 16, K <= 8), each forced at every T through RouteOptions::small_row_form
+// (rows past a form's reach take the default), then the default forms on both sides of their
 // token bounds. Every rule
 // family (softmax / none / sigmoid + bias pre functions, every post function, group limits where E
 // allows them), aligned rows (the specialised kernels) and odd strides (the generic one), K up to E
@@ -1112,11 +1118,12 @@ TEST(RoutingCuda, SmallExpertForms) {
     return (i % 4 == 3) ? check_varied(c, i) : check_aligned(c, i);
   };
   const std::int64_t ts[] = {1, 5, 33, 200, 1500};
-  const std::pair<const char*, const char*> forms[] = {{"warp", "1"},    {"narrow", "1"},  {"narrow", "0"},
-                                                       {"narrow2", "1"}, {"narrow2", "0"}, {"rows", "1"}};
+  const std::pair<SmallRowForm, bool> forms[] = {
+      {SmallRowForm::kWarp, true},     {SmallRowForm::kNarrow, true},   {SmallRowForm::kNarrow, false},
+      {SmallRowForm::kNarrow2, true}, {SmallRowForm::kNarrow2, false}, {SmallRowForm::kRows, true}};
   for (const auto& [form, packed] : forms) {
-    const ScopedEnv knob("SWITCHYARD_ROUTE_SMALL_E", form);
-    const ScopedEnv packed_knob("SWITCHYARD_ROUTE_NARROW_PACKED", packed);
+    const ScopedValue<SmallRowForm> knob(g_options.small_row_form, form);
+    const ScopedValue<bool> packed_knob(g_options.narrow_packed, packed);
     for (int E : {2, 3, 4, 5, 8, 11, 16, 17, 24, 32, 40, 60, 64, 65, 96, 100, 128}) {
       for (int K : {1, 2, 3, 4, 5, 7, 8, 9, 16}) {
         if (K > E) continue;
@@ -1146,7 +1153,7 @@ TEST(RoutingCuda, SmallExpertForms) {
 // Streamed narrow segments (route_warp.cuh's use_stream: route_warp_wide with 8 lanes a row, 4 rows a
 // warp, packed buffers of depth 4) for sigmoid + fp32 bias -> normalize, 129-192 experts, 2 <= K <= 8,
 // fp32 / bf16 logits (aligned rows: routing.cu's stream Specs), forced at every T through
-// SWITCHYARD_ROUTE_STREAM=1 (T not a multiple of 4: rows past T in the last warp), then the default
+// RouteOptions::streamed = kAlways (T not a multiple of 4: rows past T in the last warp), then the default
 // on both sides of kStreamMinTokens; every input kind (near-tied and hidden-in-bucket rows reach the
 // packed buffers' checks, lane-heavy and tied rows the exact rounds with their rescans). Rows the
 // form does not serve (E past 192, K = 1 / 9, a group limit, fp16 logits, odd strides) must take the
@@ -1158,7 +1165,7 @@ TEST(RoutingCuda, StreamedNarrowRows) {
   const std::int64_t ts[] = {1, 3, 6, 37, 301, 1027};
   int i = 0;
   {
-    const ScopedEnv knob("SWITCHYARD_ROUTE_STREAM", "1");
+    const ScopedValue<Choice> knob(g_options.streamed, Choice::kAlways);
     for (int E : {129, 130, 160, 161, 176, 191, 192}) {
       for (int K : {2, 3, 5, 7, 8}) {
         for (int rep = 0; rep < 4; ++rep) {
@@ -1199,7 +1206,7 @@ TEST(RoutingCuda, StreamedNarrowRows) {
   }
   // The default: kStreamMinTokens (32768) - 1 and 32768 rows (GLM-4.5's E = 160; without the staged
   // kernels, which serve E = 160 from 32768 rows by default, and E = 176, which they do not serve).
-  const ScopedEnv no_staged("SWITCHYARD_ROUTE_STAGED", "0");
+  const ScopedValue<Choice> no_staged(g_options.staged, Choice::kNever);
   for (std::int64_t T : {32767, 32768}) {
     for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
       Case c;
@@ -1258,7 +1265,7 @@ bool staged_sigmoid_sweep(const Kind* kinds, int n_kinds, bool approx_clusters, 
 
 // Staged rows (route_staged.cuh: one thread a row, E % 32 == 0 up to 512, K <= 8; sigmoid + fp32 bias
 // without a group limit or with groups of 32 experts, logits without a pre function, softmax ->
-// normalize) at every T under SWITCHYARD_ROUTE_STAGED=1: every input kind (near ties and
+// normalize) at every T under RouteOptions::staged = kAlways: every input kind (near ties and
 // hidden-in-bucket rows send rows to the exact redo; special values to the slow sigmoid and, for
 // softmax, to the redo), the three group rules with 1-4 kept groups, every post function, fp32 / bf16
 // logits, strides and offsets that keep rows on 16 bytes, row counts that end inside a warp; then the
@@ -1271,7 +1278,7 @@ TEST(RoutingCuda, StagedRows) {
   const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};
   int i = 0;
   {
-    const ScopedEnv knob("SWITCHYARD_ROUTE_STAGED", "1");
+    const ScopedValue<Choice> knob(g_options.staged, Choice::kAlways);
     if (!staged_sigmoid_sweep(kinds, kNumKinds, /*approx_clusters=*/false, i)) return;
     // The logits rules: no pre function (bits equal for every post function) and softmax -> normalize
     // (ids equal, weights within 1e-6 relative), no bias. Flat-top rows reach the softmax rows' p test.
@@ -1355,15 +1362,15 @@ TEST(RoutingCuda, ApproxSigmoidBound) {
 }
 
 // Staged sigmoid + bias rows on the approximate selection (route_staged.cuh's kApprox,
-// SWITCHYARD_ROUTE_STAGED_APPROX=1): ids and weights are still the oracle's bits. Clusters decided by
+// RouteOptions::staged_approx): ids and weights are still the oracle's bits. Clusters decided by
 // less than the approximation's error (with biases a few ulps apart, or 1000 on half the experts), near
 // ties, values hidden in a bucket, special and wide rows (chunks on the exact sigmoid), with and
 // without groups of 32 experts (every group rule), fp32 and bf16 logits, E = 32-512, K = 1-8, T up to
 // 4099; then the sigmoid presets at 32768 rows.
 TEST(RoutingCuda, StagedApproxRows) {
   SY_SKIP_WITHOUT_GPU();
-  const ScopedEnv staged("SWITCHYARD_ROUTE_STAGED", "1");
-  const ScopedEnv approx("SWITCHYARD_ROUTE_STAGED_APPROX", "1");
+  const ScopedValue<Choice> staged(g_options.staged, Choice::kAlways);
+  const ScopedValue<bool> approx(g_options.staged_approx, true);
   int i = 0;
   if (!staged_sigmoid_sweep(kStagedKinds, kNumStagedKinds, /*approx_clusters=*/true, i)) return;
   for (const char* name : {"deepseek-v3", "kimi-k2", "glm-4.5"}) {
@@ -1397,7 +1404,7 @@ TEST(RoutingCuda, GraphReplayWithNewInputs) {
     const cudaStream_t stream = graph.stream();
     SY_CUDA_OK(graph.begin());
     const Status s = switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
-                                       ids_view(pr), weights_view(pr), stream);
+                                       ids_view(pr), weights_view(pr), stream, g_options);
     SY_CUDA_OK(graph.end());
     ASSERT_TRUE(s.ok()) << s.to_string();
     for (int replay = 0; replay < 4; ++replay) {
@@ -1437,7 +1444,7 @@ TEST(RoutingCuda, BackToBackCallsOnOneStream) {
   SY_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (int i = 0; i < 3; ++i) {
     ASSERT_TRUE(switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
-                                  ids_view(pr), weights_view(pr), stream)
+                                  ids_view(pr), weights_view(pr), stream, g_options)
                     .ok());
   }
   fill_inputs(pr, seed + 1);
@@ -1448,7 +1455,7 @@ TEST(RoutingCuda, BackToBackCallsOnOneStream) {
                                cudaMemcpyHostToDevice, stream));
   }
   ASSERT_TRUE(switchyard::route(c.config, pr.logits_view(Device::cuda()), pr.bias_view(Device::cuda()),
-                                ids_view(pr), weights_view(pr), stream)
+                                ids_view(pr), weights_view(pr), stream, g_options)
                   .ok());
   SY_CUDA_OK(cudaStreamSynchronize(stream));
   std::vector<std::uint8_t> cpu_ids, cpu_w;

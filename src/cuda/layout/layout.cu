@@ -33,11 +33,9 @@ using layout_detail::LayoutParams;
 // exchange of counts); past what one block holds, more blocks share the ranking and the row stores
 // (E=256 K=8 N = 65536: 16-block cluster 9.36 us, grid of 64 blocks 6.32;
 // docs/decisions/layout-path-selection.md).
-// SWITCHYARD_LAYOUT_PATH=one_block|cluster8|cluster16|grid32|grid64|grid128|chunked (environment,
-// read per call) forces a path where it fits the call: a tuning and testing knob, not needed for
-// correct results. LayoutConfig::independent_blocks (per call) leaves only the one-block form and
-// the multi-launch pipeline (whose blocks never wait for each other); the knob's chunked still
-// applies then.
+// LayoutOptions::path forces a path where it fits the call (tests and same-process comparisons).
+// LayoutConfig::independent_blocks (per call) leaves only the one-block form and the multi-launch
+// pipeline (whose blocks never wait for each other); a forced chunked path still applies then.
 constexpr long long kOneBlockMaxPicks = 4096;
 constexpr long long kPicksPerBlock = 1024;     // the one-launch forms' preferred chunk (above)
 constexpr long long kMaxPicksPerBlock = 2560;  // past it (and every form's CB), the chunked pipeline
@@ -157,6 +155,7 @@ LayoutParams make_params(const detail::LayoutArgs& a) {
   char* base = static_cast<char*>(a.workspace);
   p.chunk_hist = reinterpret_cast<std::int32_t*>(base + w.hist_offset);
   p.chunk_dropped = reinterpret_cast<std::int32_t*>(base + w.dropped_offset);
+  p.rank_by_ballots = a.options.rank_by_ballots ? 1 : 0;
   return p;
 }
 
@@ -193,19 +192,12 @@ Status launch_small_config(const LayoutParams& p, cudaStream_t stream) {
       layout_detail::expert_arrays_bytes(p.num_local), stream, p);
 }
 
-// SWITCHYARD_LAYOUT_RANK=ballots (environment, read per call) makes the one-launch kernels rank by
-// ballots where they would use bitmaps: a testing and tuning knob.
-bool ballots_forced() {
-  const char* v = std::getenv("SWITCHYARD_LAYOUT_RANK");
-  return v != nullptr && std::string(v) == "ballots";
-}
-
 // LayoutParams::rank_words for a one-launch kernel whose blocks rank `picks` consecutive picks (N,
 // or the cluster chunk): one bitmap word per 32 tokens those picks can span (to whole
 // kRankWordsBatch), or 0 (ballots) at 512 picks or fewer (ITEMS = 1, where bitmaps were no faster)
 // and where the bitmaps do not fit beside the rest of the shared memory.
 int rank_words(const LayoutParams& p, bool cluster, int picks) {
-  if (ballots_forced() || picks <= layout_detail::kOneThreads) return 0;
+  if (p.rank_by_ballots || picks <= layout_detail::kOneThreads) return 0;
   // A run of `picks` picks spans at most (picks - 1) / K + 2 tokens (its ends may cut two).
   const long long tokens = std::min<long long>(p.num_tokens, (picks - 1) / p.top_k + 2);
   constexpr int kBatch = layout_detail::kRankWordsBatch;
@@ -439,21 +431,7 @@ bool grid_schedulable(std::size_t smem) {
   });
 }
 
-enum class ForcedPath { kNone, kOneBlock, kCluster8, kCluster16, kGrid32, kGrid64, kGrid128, kChunked };
-
-ForcedPath forced_path() {
-  const char* v = std::getenv("SWITCHYARD_LAYOUT_PATH");
-  if (v == nullptr) return ForcedPath::kNone;
-  const std::string s(v);
-  if (s == "one_block") return ForcedPath::kOneBlock;
-  if (s == "cluster8") return ForcedPath::kCluster8;
-  if (s == "cluster16") return ForcedPath::kCluster16;
-  if (s == "chunked") return ForcedPath::kChunked;
-  if (s == "grid32") return ForcedPath::kGrid32;
-  if (s == "grid64") return ForcedPath::kGrid64;
-  if (s == "grid128") return ForcedPath::kGrid128;
-  return ForcedPath::kNone;
-}
+using ForcedPath = LayoutOptions::Path;
 
 template <typename Id>
 Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
@@ -473,14 +451,14 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
   using Grid32 = std::integral_constant<int, 32>;
   using Grid64 = std::integral_constant<int, 64>;
   using Grid128 = std::integral_constant<int, 128>;
-  // Forms whose blocks never wait for each other, asked for per call (layout.h); the
-  // environment's forced path applies only among them then.
+  // Forms whose blocks never wait for each other, asked for per call (layout.h); a forced path
+  // applies only among them then.
   if (a.independent_blocks) {
-    const ForcedPath forced = forced_path();
+    const ForcedPath forced = a.options.path;
     if (forced != ForcedPath::kChunked && one_block_fits(p)) return launch_one_block<Id>(p, stream);
     return launch_multi_kernel<Id>(p, stream);
   }
-  switch (forced_path()) {
+  switch (a.options.path) {
     case ForcedPath::kOneBlock:
       if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
       break;
@@ -501,7 +479,7 @@ Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
       break;
     case ForcedPath::kChunked:
       return launch_multi_kernel<Id>(p, stream);
-    case ForcedPath::kNone:
+    case ForcedPath::kAuto:
       break;
   }
   if (one_block_fits(p)) return launch_one_block<Id>(p, stream);

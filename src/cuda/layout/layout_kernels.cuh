@@ -92,6 +92,8 @@ struct LayoutParams {
   int chunk_picks = 0;
   std::int32_t* chunk_hist = nullptr;
   std::int32_t* chunk_dropped = nullptr;
+  // Host-side choice, read where rank_words is set (LayoutOptions::rank_by_ballots); kernels ignore it.
+  int rank_by_ballots = 0;
 };
 
 // Local experts at most (shared-memory arrays of L entries, and 16-bit sort keys 0..L).

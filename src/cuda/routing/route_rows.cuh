@@ -46,8 +46,7 @@ inline bool rows_kernel_fits(const RouteParams& p) {
 }
 
 // Whether the launcher takes route_rows for p: where it fits, from kRowsMinTokens8 / 16 rows on, or at
-// every T under SWITCHYARD_ROUTE_SMALL_E=rows (and never under =warp, =narrow or =narrow2).
-// `form` is route()'s small_row_form_knob().
+// every T with RouteOptions::small_row_form = kRows (and never with kWarp, kNarrow or kNarrow2).
 inline bool use_rows_kernel(const RouteParams& p, SmallRowForm form) {
   if (!rows_kernel_fits(p)) return false;
   const std::int64_t min_tokens = p.num_experts <= 8 ? kRowsMinTokens8 : kRowsMinTokens16;

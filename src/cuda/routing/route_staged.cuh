@@ -47,7 +47,7 @@
 //      (the oracle's full softmax cancels out of its normalisation; its sum over all E experts would
 //      cost every expert an exact exp). Within 1e-6 relative of the oracle's weights, not their bits.
 //
-// Approximate selection (kApprox, sigmoid + bias rows; SWITCHYARD_ROUTE_STAGED_APPROX=1, off by default
+// Approximate selection (kApprox, sigmoid + bias rows; RouteOptions::staged_approx, off by default
 // until measured on the GPU). The exact sigmoid is most of such a row's per-expert work (~17 of ~49
 // instructions an expert, against 2 and a second MUFU for sigmoid_approx). The picks are selected on
 // q' = RN(sigmoid_approx(s) + b) (chunks with a |logit| > 86.5 or a NaN take the exact sigmoid), then
@@ -157,15 +157,10 @@ inline bool staged_fits(const RouteParams& p) {
          p.group_take <= 2;
 }
 
-// SWITCHYARD_ROUTE_STAGED=0|1 (read once per call by route(); choice_knob): the staged kernels never,
-// or wherever they fit (any T and E); the default: as above.
+// RouteOptions::staged: the staged kernels never, or wherever they fit (any T and E); the default:
+// as above. RouteOptions::staged_approx: staged sigmoid + bias rows select on approximate sigmoids
+// and certify (kApprox); otherwise (the default) on exact ones.
 using StagedChoice = KnobChoice;
-inline StagedChoice staged_knob() { return choice_knob("SWITCHYARD_ROUTE_STAGED"); }
-// SWITCHYARD_ROUTE_STAGED_APPROX=1 (read once per call by route()): staged sigmoid + bias rows select on
-// approximate sigmoids and certify (kApprox); otherwise (the default) on exact ones.
-inline bool staged_approx_knob() {
-  return choice_knob("SWITCHYARD_ROUTE_STAGED_APPROX") == KnobChoice::kAlways;
-}
 // The rows from which route() takes the staged kernels for p by default (p fits; see above), or -1.
 inline std::int64_t staged_min_tokens(const RouteParams& p) {
   StagedRule rule;
@@ -175,7 +170,7 @@ inline std::int64_t staged_min_tokens(const RouteParams& p) {
   return rule == StagedRule::kSoftmaxPicks || p.top_k >= kStagedTopK ? kStagedMinTokens : -1;
 }
 // Whether route() takes the staged kernels for p: before the streamed narrow segments (which they
-// beat where both fit, see above), unless SWITCHYARD_ROUTE_STREAM=1 forces those.
+// beat where both fit, see above), unless RouteOptions::streamed = kAlways forces those.
 inline bool use_staged(const RouteParams& p, const RouteChoice& choice) {
   if (choice.stream == StreamChoice::kAlways) return false;
   if (choice.staged == StagedChoice::kNever || !staged_fits(p)) return false;

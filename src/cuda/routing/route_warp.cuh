@@ -345,32 +345,15 @@ using ShapeAt = RouteShape<kShapeTable[I].w, kShapeTable[I].s, kShapeTable[I].d>
 // How rows of up to 128 experts are laid out: a whole warp per row (kShapeTable's W = 32), narrow
 // segments (W < 32, several rows per warp) of one stripe or two or more (narrow2: S = 2; narrow:
 // S = 1, or S = 4 at 65-128 experts), or one thread per row (route_rows.cuh, outside the table).
-enum class SmallRowForm { kAuto, kWarp, kNarrow, kNarrow2, kRows };
+using SmallRowForm = RouteOptions::SmallRowForm;
 inline SmallRowForm shape_form(const ShapeEntry& e) {
   return e.w == 32 ? SmallRowForm::kWarp : e.s == 2 ? SmallRowForm::kNarrow2 : SmallRowForm::kNarrow;
 }
 inline constexpr int kFormKnobMaxExperts = 128;
 
-// SWITCHYARD_ROUTE_SMALL_E=warp|narrow|narrow2|rows (environment, read once per call by route())
-// forces that form for rows of up to kFormKnobMaxExperts experts at every T (rows: where route_rows
-// fits, else the default): a testing knob (tests and same-call A/B runs reach every form), not needed
-// for correct results.
-inline SmallRowForm small_row_form_knob() {
-  const char* v = std::getenv("SWITCHYARD_ROUTE_SMALL_E");
-  if (v == nullptr) return SmallRowForm::kAuto;
-  if (std::strcmp(v, "warp") == 0) return SmallRowForm::kWarp;
-  if (std::strcmp(v, "narrow") == 0) return SmallRowForm::kNarrow;
-  if (std::strcmp(v, "rows") == 0) return SmallRowForm::kRows;
-  if (std::strcmp(v, "narrow2") == 0) return SmallRowForm::kNarrow2;
-  return SmallRowForm::kAuto;
-}
-
-// SWITCHYARD_ROUTE_NARROW_PACKED=0 (environment, read once per call by route()) keeps narrow
-// segments on plain candidate buffers even where the packed ones fit: a testing and A/B knob.
-inline bool narrow_packed_knob() {
-  const char* v = std::getenv("SWITCHYARD_ROUTE_NARROW_PACKED");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+// RouteOptions::small_row_form forces a form for rows of up to kFormKnobMaxExperts experts at every
+// T (rows: where route_rows fits, else the default); RouteOptions::narrow_packed = false keeps narrow
+// segments on plain candidate buffers even where the packed ones fit.
 
 // Streamed narrow segments (route_warp_wide with W = kStreamLanes < 32; routing.cu's
 // launch_route_stream): rows of kStreamMinExperts + 1 .. kStreamMaxExperts experts without a group
@@ -388,29 +371,30 @@ inline bool stream_fits(int num_experts, int top_k, int group_path) {
   return group_path == kGroupNone && num_experts > kStreamMinExperts && num_experts <= kStreamMaxExperts &&
          narrow_packed_k(top_k, kStreamLanes);
 }
-// A form's testing and A/B knob: the environment variable `name` = 0 never takes the form, 1 takes it
-// wherever it fits; unset or other values: the launcher's default.
-enum class KnobChoice { kAuto, kNever, kAlways };
-inline KnobChoice choice_knob(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr) return KnobChoice::kAuto;
-  if (std::strcmp(v, "0") == 0) return KnobChoice::kNever;
-  if (std::strcmp(v, "1") == 0) return KnobChoice::kAlways;
-  return KnobChoice::kAuto;
-}
-// SWITCHYARD_ROUTE_STREAM=0|1 (read once per call by route()): the streamed narrow segments never, or
-// wherever they fit (any T); the default: from kStreamMinTokens rows on.
+// RouteOptions::Choice: kNever never takes a form, kAlways wherever it fits, kAuto the launcher's
+// default. RouteOptions::streamed: the streamed narrow segments (default: from kStreamMinTokens rows).
+using KnobChoice = RouteOptions::Choice;
 using StreamChoice = KnobChoice;
-inline StreamChoice stream_knob() { return choice_knob("SWITCHYARD_ROUTE_STREAM"); }
 
 // The choices route() makes on the host, once per call, for the launchers.
 struct RouteChoice {
-  SmallRowForm form = SmallRowForm::kAuto;    // small_row_form_knob
-  bool narrow_packed = true;                  // narrow_packed_knob
-  StreamChoice stream = StreamChoice::kAuto;  // stream_knob
-  KnobChoice staged = KnobChoice::kAuto;      // route_staged.cuh's staged_knob
-  bool staged_approx = false;                 // route_staged.cuh's staged_approx_knob
+  SmallRowForm form = SmallRowForm::kAuto;
+  bool narrow_packed = true;
+  StreamChoice stream = StreamChoice::kAuto;
+  KnobChoice staged = KnobChoice::kAuto;  // route_staged.cuh
+  bool staged_approx = false;
+  bool wide_packed_always = false;  // wide_packed_buffers
 };
+inline RouteChoice route_choice(const RouteOptions& o) {
+  RouteChoice c;
+  c.form = o.small_row_form;
+  c.narrow_packed = o.narrow_packed;
+  c.stream = o.streamed;
+  c.staged = o.staged;
+  c.staged_approx = o.staged_approx;
+  c.wide_packed_always = o.wide_packed_always;
+  return c;
+}
 inline bool use_stream(const RouteParams& p, const RouteChoice& choice) {
   if (choice.stream == StreamChoice::kNever || !stream_fits(p.num_experts, p.top_k, p.group_path))
     return false;
@@ -421,8 +405,8 @@ inline bool use_stream(const RouteParams& p, const RouteChoice& choice) {
 // the rule has specialised narrow kernels (routing.cu's narrow_spec_matches); rows of 9-32 experts
 // then skip the whole-warp entries (kSmallWarpMaxTokens16 / 32), and so do rows of 33-64 experts whose
 // K fits the narrow packed buffers of kSmallNarrowLanes64 lanes (kSmallWarpMaxTokens64; not with
-// SWITCHYARD_ROUTE_NARROW_PACKED=0; docs/decisions/routing-row-forms.md). A forced form
-// (small_row_form_knob) takes the first entry of that form whose T bound holds, else the first of that
+// RouteOptions::narrow_packed = false; docs/decisions/routing-row-forms.md). A forced form
+// (RouteOptions::small_row_form) takes the first entry of that form whose T bound holds, else the first of that
 // form (among the entries of up to 64 experts when E <= 64); it ignores packed_only (a narrow shape
 // then falls back to plain buffers where K does not fit).
 inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre, bool narrow_spec, int top_k,
@@ -538,12 +522,9 @@ __host__ __device__ __forceinline__ bool bucket_exact_keys(const RouteParams& p)
 // bf16 / fp16 logits without pre function or bias at every T (one key per bucket: no checks), other
 // keys from kWidePackedMinTokens rows on (their checks recompute keys, sort picks or redo rounds,
 // which lengthens a row: that costs where the slowest row is the call's time).
-// SWITCHYARD_ROUTE_WIDE_PACKED=always (environment, read per call) puts every T on them: a testing
-// knob, not needed for correct results.
-inline bool wide_packed_buffers(const RouteParams& p) {
-  const char* knob = std::getenv("SWITCHYARD_ROUTE_WIDE_PACKED");
-  const bool always = knob != nullptr && std::strcmp(knob, "always") == 0;
-  return bucket_exact_keys(p) || always || p.num_tokens >= kWidePackedMinTokens;
+// RouteOptions::wide_packed_always puts every T on them.
+inline bool wide_packed_buffers(const RouteParams& p, const RouteChoice& choice) {
+  return bucket_exact_keys(p) || choice.wide_packed_always || p.num_tokens >= kWidePackedMinTokens;
 }
 
 // Shared memory of one routed row on the group paths: chunk tops (8 bytes per 4-expert chunk)

@@ -199,12 +199,12 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
 // (the streamed narrow segments, W < 32: always packed); otherwise route_warp's, with kPackedTopK =
 // kPacked (narrow segments: the caller checked routing::narrow_packed_fits).
 template <class Shape, class SpecT, bool kWide, bool kPacked = true>
-Status launch_route_for(const RouteParams& p, cudaStream_t stream) {
+Status launch_route_for(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
   if constexpr (kWide && Shape::W < 32) {
     return launch_route<Shape, SpecT, true, true>(p, stream);
   } else if constexpr (kWide) {
     if constexpr (kSpecialised<SpecT>) {
-      if (routing::wide_packed_buffers(p)) return launch_route<Shape, SpecT, true, true>(p, stream);
+      if (routing::wide_packed_buffers(p, choice)) return launch_route<Shape, SpecT, true, true>(p, stream);
     }
     return launch_route<Shape, SpecT, true, false>(p, stream);
   } else {
@@ -223,29 +223,32 @@ bool first_spec_match(const RouteParams& p, Status* status, const Launch& launch
 // false (nothing launched) when none matches. kWide: the wide-row kernels; kPacked: as for
 // launch_route_for.
 template <class Shape, bool kWide, bool kPacked, class... Specs>
-bool launch_first_match_packed(const RouteParams& p, cudaStream_t stream, Status* status) {
+bool launch_first_match_packed(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream,
+                               Status* status) {
   return first_spec_match<Specs...>(p, status, [&](auto* spec) {
-    return launch_route_for<Shape, std::remove_pointer_t<decltype(spec)>, kWide, kPacked>(p, stream);
+    return launch_route_for<Shape, std::remove_pointer_t<decltype(spec)>, kWide, kPacked>(p, choice, stream);
   });
 }
 template <class Shape, bool kWide, class... Specs>
-bool launch_first_match(const RouteParams& p, cudaStream_t stream, Status* status) {
-  return launch_first_match_packed<Shape, kWide, true, Specs...>(p, stream, status);
+bool launch_first_match(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream,
+                        Status* status) {
+  return launch_first_match_packed<Shape, kWide, true, Specs...>(p, choice, stream, status);
 }
 
 // The first of the kernels Specs... whose Spec matches p; the last one is SpecGeneric, which always
 // does.
 template <class Shape, bool kWide, bool kPacked, class... Specs>
-Status launch_route_spec_packed(const RouteParams& p, cudaStream_t stream) {
+Status launch_route_spec_packed(const RouteParams& p, const routing::RouteChoice& choice,
+                                cudaStream_t stream) {
   static_assert(std::is_same_v<std::tuple_element_t<sizeof...(Specs) - 1, std::tuple<Specs...>>, SpecGeneric>,
                 "the generic kernel comes last");
   Status status = Status::Ok();
-  launch_first_match_packed<Shape, kWide, kPacked, Specs...>(p, stream, &status);
+  launch_first_match_packed<Shape, kWide, kPacked, Specs...>(p, choice, stream, &status);
   return status;
 }
 template <class Shape, bool kWide, class... Specs>
-Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
-  return launch_route_spec_packed<Shape, kWide, true, Specs...>(p, stream);
+Status launch_route_spec(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
+  return launch_route_spec_packed<Shape, kWide, true, Specs...>(p, choice, stream);
 }
 
 // The specialised configurations (model families of docs/design.md section 2), for fp32 and bf16
@@ -258,22 +261,24 @@ Status launch_route_spec(const RouteParams& p, cudaStream_t stream) {
 // (launch_route_shape): sigmoid + bias -> normalize on either group path.
 // The kernels up to 4 stripes (E <= 512), after First... (checked first).
 template <class Shape, DType kDtype, class... First>
-Status launch_route_up_to_512(const RouteParams& p, cudaStream_t stream) {
+Status launch_route_up_to_512(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
   return launch_route_spec<
       Shape, false, First..., Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
       Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
       Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
       Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
       Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
+      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, choice,
+                                                                                             stream);
 }
 
 template <class Shape, DType kDtype>
-Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
+Status launch_route_dtype(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
   if constexpr (Shape::S > 4) {
     return launch_route_spec<
         Shape, false, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, stream);
+        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, choice,
+                                                                                               stream);
   } else if constexpr (Shape::S == 2) {
     // 129 <= E <= 256: DeepSeek-V3's group limit (groups of 32 experts, shift 3) with the shift fixed
     // (route_warp's kGroupShift: butterflies unrolled, pair ranks), early bias first; then
@@ -283,9 +288,9 @@ Status launch_route_dtype(const RouteParams& p, cudaStream_t stream) {
     return launch_route_up_to_512<
         Shape, kDtype, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true, 3>,
         Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>,
-        Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupChunks, PostFn::kNone>>(p, stream);
+        Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupChunks, PostFn::kNone>>(p, choice, stream);
   } else {
-    return launch_route_up_to_512<Shape, kDtype>(p, stream);
+    return launch_route_up_to_512<Shape, kDtype>(p, choice, stream);
   }
 }
 
@@ -320,8 +325,9 @@ using NarrowSpecs =
     std::tuple<NarrowSoftmaxNormalize<kDtype>, NarrowSoftmax<kDtype>, NarrowNoneSoftmax<kDtype>>;
 
 template <class Shape, bool kPacked, class... Specs>
-Status launch_route_spec_list(const RouteParams& p, cudaStream_t stream, std::tuple<Specs...>*) {
-  return launch_route_spec_packed<Shape, false, kPacked, Specs..., SpecGeneric>(p, stream);
+Status launch_route_spec_list(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream,
+                              std::tuple<Specs...>*) {
+  return launch_route_spec_packed<Shape, false, kPacked, Specs..., SpecGeneric>(p, choice, stream);
 }
 template <class... Specs>
 bool any_spec_matches(const RouteParams& p, std::tuple<Specs...>*) {
@@ -358,7 +364,8 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
           using SoftmaxF32 = Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
           using SoftmaxBf16 = Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
           Status status;
-          if (launch_first_match<Shape, false, SigmoidBf16, SoftmaxF32, SoftmaxBf16>(p, stream, &status))
+          if (launch_first_match<Shape, false, SigmoidBf16, SoftmaxF32, SoftmaxBf16>(p, choice, stream,
+                                                                                     &status))
             return status;
         }
       }
@@ -367,7 +374,7 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
           Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
           Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
           Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>, SpecGeneric>(
-          p, stream);
+          p, choice, stream);
     }
   }
   if constexpr (routing::kPackedBuffers<Shape>) {
@@ -383,15 +390,15 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
         return launch_route_spec_packed<
             Shape, false, false, Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSigmoid>,
             Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSigmoid>, SpecGeneric>(
-            p, stream);
+            p, choice, stream);
       } else {
         return launch_route<Shape, SpecGeneric, false, false>(p, stream);
       }
     }
     if (p.logits_dtype == static_cast<int>(DType::kFloat32))
-      return launch_route_dtype<Shape, DType::kFloat32>(p, stream);
+      return launch_route_dtype<Shape, DType::kFloat32>(p, choice, stream);
     if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
-      return launch_route_dtype<Shape, DType::kBFloat16>(p, stream);
+      return launch_route_dtype<Shape, DType::kBFloat16>(p, choice, stream);
   }
   if constexpr (routing::kNarrowPacked<Shape>) {
     // Narrow segments: the narrow Specs of the logits dtype (kNarrowSpecs), else the generic kernel, on
@@ -400,10 +407,10 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
       constexpr bool kPacked = decltype(packed)::value;
       if constexpr (kNarrowSpecs<Shape>) {
         if (p.logits_dtype == static_cast<int>(DType::kFloat32))
-          return launch_route_spec_list<Shape, kPacked>(p, stream,
+          return launch_route_spec_list<Shape, kPacked>(p, choice, stream,
                                                         static_cast<NarrowSpecs<DType::kFloat32>*>(nullptr));
         if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
-          return launch_route_spec_list<Shape, kPacked>(p, stream,
+          return launch_route_spec_list<Shape, kPacked>(p, choice, stream,
                                                         static_cast<NarrowSpecs<DType::kBFloat16>*>(nullptr));
       }
       return launch_route<Shape, SpecGeneric, false, kPacked>(p, stream);
@@ -420,12 +427,14 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
 // A whole warp holds such a row in 2 stripes of 128 (256 experts), so at E = 160 three of its eight
 // values per lane are padding; 8 lanes hold E / 8 values each, in E / 32 stripes. Rows without that
 // padding gain nothing from the form (docs/decisions/routing-wide-rows.md).
-bool launch_route_stream(const RouteParams& p, cudaStream_t stream, Status* status) {
+bool launch_route_stream(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream,
+                         Status* status) {
   using Shape = routing::StreamShape<routing::kStreamLanes, 6, 4, 2, 5>;
   static_assert(routing::kStreamMaxExperts <= Shape::kMaxExperts, "the stream shape's experts");
   return launch_first_match<
       Shape, true, Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-      Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, stream, status);
+      Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, choice, stream,
+                                                                                         status);
 }
 
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks; SpecT as for
@@ -557,7 +566,8 @@ Status launch_route_staged(const RouteParams& p, bool approx, cudaStream_t strea
   const bool groups = p.group_path != routing::kGroupNone;
   const auto launch = [&](auto dtype) {
     constexpr DType kDtype = decltype(dtype)::value;
-    if (rule == StagedRule::kLogits) return launch_staged_kernel<kDtype, StagedRule::kLogits, false>(p, blocks, stream);
+    if (rule == StagedRule::kLogits)
+      return launch_staged_kernel<kDtype, StagedRule::kLogits, false>(p, blocks, stream);
     if (rule == StagedRule::kSoftmaxPicks)
       return launch_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>(p, blocks, stream);
     if (approx) {
@@ -581,17 +591,12 @@ Status route(const detail::RouteArgs& args, Stream stream) {
                                " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
   }
   const RouteParams p = routing::make_route_params(args);
-  routing::RouteChoice choice;  // the testing knobs, read once per call
-  choice.form = routing::small_row_form_knob();
-  choice.narrow_packed = routing::narrow_packed_knob();
-  choice.stream = routing::stream_knob();
-  choice.staged = routing::staged_knob();
-  choice.staged_approx = routing::staged_approx_knob();
+  const routing::RouteChoice choice = routing::route_choice(args.options);
   if (routing::use_rows_kernel(p, choice.form)) return launch_route_rows_for(p, stream);
   if (routing::use_staged(p, choice)) return launch_route_staged(p, choice.staged_approx, stream);
   if (routing::use_stream(p, choice)) {
     Status status;
-    if (launch_route_stream(p, stream, &status)) return status;
+    if (launch_route_stream(p, choice, stream, &status)) return status;
   }
   return routing::dispatch_route_shape(
       args.config.num_experts, args.num_tokens, args.config.top_k,

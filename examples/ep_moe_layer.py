@@ -146,6 +146,21 @@ def rank_forward(layer: Layer, group, rank: int, x: Tensor, experts: Tuple[Tenso
     return out, ids, weights
 
 
+def run_rank_steps(args: argparse.Namespace, layer: "Layer", group, rank: int, cuda: bool):
+    """A rank of a group whose collectives block per rank (CpuGroup, GpuGroup) runs the layer
+    args.steps times: (its outputs, the reference for its tokens, step milliseconds)."""
+    x, experts = layer.tokens(rank), layer.local_experts(rank)
+    last: List[Tensor] = []
+
+    def step() -> List[Tensor]:
+        out, ids, weights = rank_forward(layer, group, rank, x, experts)
+        last[:] = [ids, weights]
+        return [out]
+
+    outs, times = run_steps(args.steps, step, cuda=cuda)
+    return [o[0] for o in outs], layer.reference(x, *last), times
+
+
 def run_steps(steps: int, step: Callable[[], List[Tensor]], cuda: bool) -> Tuple[List[List[Tensor]], List[float]]:
     """Runs step() `steps` times: (the outputs of each step, each step's milliseconds)."""
     outs, times = [], []
@@ -192,19 +207,7 @@ def run_cpu(args: argparse.Namespace, R: int, dtype: torch.dtype) -> bool:
     layer = Layer(args, R, dtype, torch.device("cpu"))
     group = ep.CpuGroup(R, args.experts, args.top_k, args.tokens, args.hidden, dtype=dtype, tile_size=args.tile_size)
 
-    def rank_main(rank: int):
-        x, experts = layer.tokens(rank), layer.local_experts(rank)
-        last: List[Tensor] = []
-
-        def step() -> List[Tensor]:
-            out, ids, weights = rank_forward(layer, group, rank, x, experts)
-            last[:] = [ids, weights]
-            return [out]
-
-        outs, times = run_steps(args.steps, step, cuda=False)
-        return [o[0] for o in outs], layer.reference(x, *last), times
-
-    results = ep.run_ranks(R, rank_main)
+    results = ep.run_ranks(R, lambda rank: run_rank_steps(args, layer, group, rank, cuda=False))
     report(args, layer, f"cpu group, {R} ranks", results[0][2])
     return all([check(layer, r, outs, ref) for r, (outs, ref, _) in enumerate(results)])
 
@@ -247,19 +250,11 @@ def run_torchrun(args: argparse.Namespace, dtype: torch.dtype) -> bool:
         layer = Layer(args, R, dtype, torch.device("cuda", torch.cuda.current_device()))
         group = ep.GpuGroup(None, num_experts=args.experts, top_k=args.top_k, max_tokens=args.tokens,
                             hidden=args.hidden, dtype=dtype, tile_size=args.tile_size)
-        x, experts = layer.tokens(rank), layer.local_experts(rank)
-        last: List[Tensor] = []
-
-        def step() -> List[Tensor]:
-            out, ids, weights = rank_forward(layer, group, rank, x, experts)
-            last[:] = [ids, weights]
-            return [out]
-
-        outs, times = run_steps(args.steps, step, cuda=True)
+        outs, ref, times = run_rank_steps(args, layer, group, rank, cuda=True)
         group.synchronize()
         if rank == 0:
             report(args, layer, f"gpu group, {R} processes", times)
-        ok = check(layer, rank, [o[0] for o in outs], layer.reference(x, *last))
+        ok = check(layer, rank, outs, ref)
         verdicts: List[bool] = [False] * R
         dist.all_gather_object(verdicts, ok)  # every process exits 1 when any rank failed
         return all(verdicts)

@@ -97,6 +97,14 @@ def _spread(p10: float, median: float, p90: float) -> float:
     return (p90 - p10) / median if median > 0 else math.inf
 
 
+def timing_fields(r: Dict[str, Any], max_spread: float, prefix: str = "") -> Dict[str, Any]:
+    """A timer's result as a point's fields (prefix "torch_" for the baseline's), the spread
+    flagged unstable past max_spread."""
+    spread = _spread(r["p10_us"], r["median_us"], r["p90_us"])
+    return {prefix + "median_us": r["median_us"], prefix + "p10_us": r["p10_us"], prefix + "p90_us": r["p90_us"],
+            prefix + "method": r["method"], prefix + "spread": spread, prefix + "unstable": spread > max_spread}
+
+
 def _matplotlib_missing() -> Optional[str]:
     try:
         import matplotlib  # noqa: F401
@@ -724,12 +732,9 @@ def run_point(ctx: "Context", preset_name: str, op: str, T: int, skew: str, ldt:
         point["error"] = f"unsupported: {e}"
         return point
     ctx.timer.sync()
-    point.update({"median_us": ours["median_us"], "p10_us": ours["p10_us"], "p90_us": ours["p90_us"],
-                  "samples": ours["samples"], "method": ours["method"]})
+    point.update(timing_fields(ours, ctx.max_spread), samples=ours["samples"])
     point["gbps"] = bytes_moved / (ours["median_us"] * 1e-6) / 1e9
     point["pct_copy"] = 100.0 * point["gbps"] * 1e9 / ctx.copy_bw
-    point["spread"] = _spread(ours["p10_us"], ours["median_us"], ours["p90_us"])
-    point["unstable"] = point["spread"] > ctx.max_spread
     if ctx.baseline:
         try:
             point["check"] = check()
@@ -738,11 +743,8 @@ def run_point(ctx: "Context", preset_name: str, op: str, T: int, skew: str, ldt:
         try:
             theirs = ctx.timer.time(torch_fn)
             ctx.timer.sync()
-            point.update({"torch_median_us": theirs["median_us"], "torch_p10_us": theirs["p10_us"],
-                          "torch_p90_us": theirs["p90_us"], "torch_method": theirs["method"]})
+            point.update(timing_fields(theirs, ctx.max_spread, "torch_"))
             point["speedup"] = theirs["median_us"] / ours["median_us"]
-            point["torch_spread"] = _spread(theirs["p10_us"], theirs["median_us"], theirs["p90_us"])
-            point["torch_unstable"] = point["torch_spread"] > ctx.max_spread
         except Exception as e:
             point["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             if dev == "cuda":

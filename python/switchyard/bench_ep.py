@@ -101,7 +101,7 @@ def _pairs(torch: Any, ids: Any, R: int, L: int) -> int:
 
 def run_point(ctx: Any, shape: str, T: int, R: int, dtype_name: str) -> List[Dict[str, Any]]:
     """The dispatch and combine points of one (shape, tokens per rank, ranks)."""
-    from .bench import _dtype, _spread, make_hidden, make_ids  # noqa: PLC0415 - bench imports this module
+    from .bench import _dtype, make_hidden, make_ids, timing_fields  # noqa: PLC0415 - bench imports this module
     import switchyard.ep as ep  # noqa: PLC0415
 
     torch = ctx.torch
@@ -152,20 +152,14 @@ def run_point(ctx: Any, shape: str, T: int, R: int, dtype_name: str) -> List[Dic
         p = dict(base, op=op, bytes=float(nbytes), check=check)
         ours = ctx.timer.time(ours_fn)
         group.synchronize()
-        p.update({"median_us": ours["median_us"], "p10_us": ours["p10_us"], "p90_us": ours["p90_us"],
-                  "method": ours["method"]})
+        p.update(timing_fields(ours, ctx.max_spread))
         p["gbps"] = nbytes / (ours["median_us"] * 1e-6) / 1e9
         p["pct_copy"] = 100.0 * p["gbps"] * 1e9 / ctx.copy_bw
-        p["spread"] = _spread(ours["p10_us"], ours["median_us"], ours["p90_us"])
-        p["unstable"] = p["spread"] > ctx.max_spread
         if ctx.baseline:
             theirs = ctx.timer.time(torch_fn)
             torch.cuda.synchronize()
-            p.update({"torch_median_us": theirs["median_us"], "torch_p10_us": theirs["p10_us"],
-                      "torch_p90_us": theirs["p90_us"], "torch_method": theirs["method"]})
+            p.update(timing_fields(theirs, ctx.max_spread, "torch_"))
             p["speedup"] = theirs["median_us"] / ours["median_us"]
-            p["torch_spread"] = _spread(theirs["p10_us"], theirs["median_us"], theirs["p90_us"])
-            p["torch_unstable"] = p["torch_spread"] > ctx.max_spread
         points.append(p)
     del ds, group
     return points

@@ -10,6 +10,9 @@ at large T. This check makes such a change visible in review: the build's per-ke
                                                           # deliberate kernel change
   python3 tools/kernel_resources.py check BUILD_DIR tests/kernel_resources.txt      # CI
 
+The list records the nvcc version it was dumped with (its first line); under another version the
+check says it skipped and passes, since register counts are the compiler's choice.
+
 cuobjdump comes with the CUDA toolkit; where it is missing (this repository's dev machine), the
 PyPI wheel nvidia-cuda-cuobjdump provides it (pass --cuobjdump PATH, or put it on PATH). Exit
 status of `check`: 0 equal, 1 different (the kernels are listed), 2 tool or objects missing.
@@ -67,6 +70,15 @@ def resources(cuobjdump, build_dir):
     return rows
 
 
+def nvcc_version(build_dir):
+    """The CUDA compiler version CMake recorded for the build, or None."""
+    for path in sorted(glob.glob(os.path.join(build_dir, "CMakeFiles", "*", "CMakeCUDACompiler.cmake"))):
+        m = re.search(r'set\(CMAKE_CUDA_COMPILER_VERSION "([^"]+)"\)', open(path).read())
+        if m:
+            return m.group(1)
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=("dump", "check"))
@@ -74,6 +86,16 @@ def main():
     ap.add_argument("baseline", nargs="?")
     ap.add_argument("--cuobjdump")
     args = ap.parse_args()
+    version = nvcc_version(args.build_dir)
+    if args.mode == "check":
+        if not args.baseline:
+            ap.error("check needs the baseline file")
+        # The resources are the compiler's: a baseline holds for the nvcc that dumped it.
+        dumped = next((line.split()[2] for line in open(args.baseline) if line.startswith("# nvcc ")), None)
+        if dumped is None or dumped != version:
+            print(f"kernel_resources: skipped - {args.baseline} was dumped with nvcc {dumped or '(not recorded)'}, "
+                  f"this build used nvcc {version or '(unknown)'}; dump it again under this compiler to compare")
+            return 0
     tool = find_cuobjdump(args.cuobjdump)
     if tool is None:
         print("kernel_resources: no cuobjdump (CUDA toolkit, or pip install nvidia-cuda-cuobjdump)", file=sys.stderr)
@@ -84,11 +106,10 @@ def main():
         print(f"kernel_resources: {e}", file=sys.stderr)
         return 2
     if args.mode == "dump":
+        print(f"# nvcc {version or 'unknown'}")
         for k in sorted(rows):
             print(f"{k} {rows[k]}")
         return 0
-    if not args.baseline:
-        ap.error("check needs the baseline file")
     want = {}
     for line in open(args.baseline):
         parts = line.split()

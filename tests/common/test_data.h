@@ -149,7 +149,7 @@ inline std::vector<std::int64_t> fast_random_ids(std::int64_t T, int K, int E, S
 inline void repeat_slots(std::vector<std::int64_t>& ids, std::int64_t T, int K, std::mt19937_64& g,
                          std::int64_t first_token, int every) {
   if (K < 2) return;
-  for (std::int64_t t = first_token; t < T; ++t) {
+  for (std::int64_t t = std::max<std::int64_t>(first_token, 0); t < T; ++t) {
     if (every > 1 && g() % static_cast<std::uint64_t>(every) != 0) continue;
     const int k = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(K - 1));
     ids[t * K + k] = ids[t * K + static_cast<int>(g() % static_cast<std::uint64_t>(k))];

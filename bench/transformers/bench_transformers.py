@@ -128,6 +128,21 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     sy_hf.register()
     points: List[Dict[str, Any]] = []
+
+    def header() -> Dict[str, Any]:
+        props = torch.cuda.get_device_properties(0) if device == "cuda" else None
+        return {
+            "benchmark": "bench_transformers",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": props.name if props else platform.processor(),
+            "commit": _commit(),
+            "versions": {"switchyard": sy.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "cuda": torch.version.cuda},
+            "method": __doc__.strip(),
+            "settings": {"shapes": args.shapes, "tokens": args.tokens, "calls": args.calls, "repeats": args.repeats,
+                         "tiny": args.tiny},
+        }
+
     for shape in args.shapes:
         model = build(shape, args.tiny, device)
         block = moe_block(model)
@@ -164,22 +179,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 row["outside_gemm_speedup"] = theirs_out / ours_out if ours_out > 0 else None
             points.append(row)
             print(_line(row), flush=True)
+            if args.json:  # after every point: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(dict(header(), points=points, complete=False), f, indent=1)
         del model, block
         if device == "cuda":
             torch.cuda.empty_cache()
-    props = torch.cuda.get_device_properties(0) if device == "cuda" else None
-    return {
-        "benchmark": "bench_transformers",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": props.name if props else platform.processor(),
-        "commit": _commit(),
-        "versions": {"switchyard": sy.__version__, "torch": torch.__version__,
-                     "transformers": transformers.__version__, "cuda": torch.version.cuda},
-        "method": __doc__.strip(),
-        "settings": {"shapes": args.shapes, "tokens": args.tokens, "calls": args.calls, "repeats": args.repeats,
-                     "tiny": args.tiny},
-        "points": points,
-    }
+    return dict(header(), points=points, complete=True)
 
 
 def _commit() -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -219,6 +220,18 @@ class GpuTimer:
         # ones (a replay of a long graph already averages `calls` calls).
         n = int(max(10, min(self.replays, self.budget_s * 1e6 / max(probe * per_replay_calls, 1e-3))))
         return [once() for _ in range(n)]
+
+    def time_eager(self, fn: Callable[[int], Any]) -> Dict[str, Any]:
+        """Per-call time of `calls` eager calls between events (for what cannot be captured)."""
+        self._warm(fn)
+
+        def eager() -> None:
+            for i in range(self.calls):
+                fn(i)
+
+        r = _percentiles(self._replays(eager, self.calls))
+        r["method"] = f"eager, {self.calls} calls between events"
+        return r
 
     def time(self, fn: Callable[[int], Any]) -> Dict[str, Any]:
         torch = self.torch
@@ -801,7 +814,7 @@ def write_plot(path: str, points: List[Dict[str, Any]], title: str = "",
         import matplotlib.pyplot as plt
     except ImportError as e:
         return False, f"plot not written: matplotlib is not importable ({e}); {_PIP_MATPLOTLIB}"
-    ops = [op for op in all_ops if any(p["op"] == op and "median_us" in p for p in points)]
+    ops = [op for op in all_ops if any(p.get("op") == op and "median_us" in p for p in points)]
     if not ops:
         return False, "plot not written: no timed points"
     cols = min(3, len(ops))
@@ -811,7 +824,7 @@ def write_plot(path: str, points: List[Dict[str, Any]], title: str = "",
     for ax, op in zip(axes.flat, ops):
         series: Dict[Tuple[Any, ...], List[Dict[str, Any]]] = {}
         for p in points:
-            if p["op"] == op and "median_us" in p:
+            if p.get("op") == op and "median_us" in p:
                 key = (p["preset"], p["skew"], p.get("logit_dtype"), p.get("hidden_dtype"))
                 series.setdefault(key, []).append(p)
         for n, (key, pts) in enumerate(sorted(series.items(), key=lambda kv: str(kv[0]))):
@@ -1130,9 +1143,10 @@ def _main_ep(args: Any, argv: List[str], ap: argparse.ArgumentParser, torch: Any
         try:
             pts = bench_ep.run_point(ctx, shape, T, args.ep_ranks, hdt)
         except Exception as e:
-            pts = [{"shape": shape, "R": args.ep_ranks, "tokens": T, "dtype": hdt,
+            pts = [{"shape": shape, "op": "ep", "R": args.ep_ranks, "tokens": T, "dtype": hdt,
                     "error": f"{type(e).__name__}: {str(e)[:300]}"}]
             torch.cuda.synchronize()
+        gc.collect()  # the point's groups and their regions (cudaMalloc'd, outside torch's cache)
         for p in pts:  # the keys the plot groups by
             p.update(preset=p["shape"], skew="uniform", logit_dtype=None, hidden_dtype=hdt,
                      floor_us=1e6 * p.get("bytes", 0.0) / ctx.copy_bw)

@@ -525,8 +525,12 @@ def test_cuda_bf16_logits_match_eager(name):
     transformers' own "grouped_mm" is, or within atol 2e-2 (logits of magnitude ~0.5)."""
     model = tiny_model(name).to("cuda", torch.bfloat16)
     eager = logits_with(model, "eager", device="cuda").float()
-    grouped = logits_with(model, "grouped_mm", device="cuda").float()
-    bound = max(2e-2, 2 * float((grouped - eager).abs().max()))
+    bound = 2e-2
+    try:
+        grouped = logits_with(model, "grouped_mm", device="cuda").float()
+        bound = max(bound, 2 * float((grouped - eager).abs().max()))
+    except ValueError:  # Llama 4's experts are not in the registry: its router alone is switched
+        pass
     for patched in (False, True):
         got = logits_with(model, "switchyard", patched=patched, device="cuda").float()
         err = float((got - eager).abs().max())

@@ -718,13 +718,12 @@ class LoopbackGroup(_GpuGroupBase):
         side = self._streams[rank]
         side.wait_stream(current)
         status = call(side.cuda_stream)
-        # Outside graph capture the caching allocator must not hand these tensors' memory to other
-        # work before the rank's stream is done with it. Inside a capture the graph's pool keeps
-        # it, and the round's join orders what follows after the rank streams.
-        if not torch.cuda.is_current_stream_capturing():
-            for t in tensors:
-                if isinstance(t, Tensor) and t.is_cuda:
-                    t.record_stream(side)
+        # The caching allocator must not hand these tensors' memory to other work before the rank's
+        # stream is done with it, in graph capture too (a caller's temporary freed after the call
+        # would otherwise be reused by the next rank's work on the current stream).
+        for t in tensors:
+            if isinstance(t, Tensor) and t.is_cuda:
+                t.record_stream(side)
         # The call's kernels are queued (a bad argument enqueues too: its kernels tell the peers).
         self._round_ranks.add(rank)
         if len(self._round_ranks) == self.num_ranks:

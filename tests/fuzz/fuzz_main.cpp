@@ -2,7 +2,9 @@
 // (tests/fuzz/corpus/<target>/*: inputs that once found a bug, kept as regression tests), then
 // random byte strings for a bounded time, round robin over the targets. A failing input is
 // written to <out-dir>/<target>-<n>.bin and the run exits 1.
-//   fuzz_switchyard [--seconds S] [--target NAME] [--seed N] [--corpus DIR] [--out-dir DIR]
+//   fuzz_switchyard [--seconds S] [--target NAME] [--seed N] [--corpus DIR] [--out-dir DIR] [--cuda]
+// --cuda: every call that succeeds on the CPU also runs on the CUDA backend and must give the same
+// bytes (the differential run; the expert-parallel target stays on the CPU).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz/fuzz_cuda.h"
 #include "fuzz/fuzz_targets.h"
 
 namespace fs = std::filesystem;
@@ -35,6 +38,13 @@ int main(int argc, char** argv) {
       corpus = argv[++a];
     } else if (arg == "--out-dir" && has_value) {
       out_dir = argv[++a];
+    } else if (arg == "--cuda") {
+      const std::string why = sy_fuzz::cuda_unavailable();
+      if (!why.empty()) {
+        std::fprintf(stderr, "fuzz_switchyard: --cuda, but %s\n", why.c_str());
+        return 2;
+      }
+      sy_fuzz::cuda_enabled() = true;
     } else {
       std::fprintf(stderr, "fuzz_switchyard: unknown argument %s\n", arg.c_str());
       return 2;
@@ -81,7 +91,8 @@ int main(int argc, char** argv) {
     ++runs[t.name];
     if (!what.empty()) report(t, input, what, "random");
   }
-  std::printf("fuzz_switchyard: seed %llu, %.0f s:", static_cast<unsigned long long>(seed), seconds);
+  std::printf("fuzz_switchyard%s: seed %llu, %.0f s:", sy_fuzz::cuda_enabled() ? " (CPU against CUDA)" : "",
+              static_cast<unsigned long long>(seed), seconds);
   for (const auto& [name, n] : runs) std::printf(" %s %ld", name.c_str(), n);
   std::printf("; %d failing inputs\n", failures);
   return failures == 0 ? 0 : 1;

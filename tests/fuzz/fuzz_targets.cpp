@@ -14,6 +14,7 @@
 #include "common/layout_inputs.h"
 #include "common/layout_reference.h"
 #include "common/test_data.h"
+#include "fuzz/fuzz_cuda.h"
 #include "switchyard/switchyard.h"
 
 namespace sy_fuzz {
@@ -46,6 +47,22 @@ struct Buffer {
 };
 
 std::string fail(const std::string& what) { return what; }
+
+// The GPU side of a call that succeeded on the CPU: "" when it gives the same bytes (or the CUDA
+// backend does not serve the call: Unsupported), else what differs.
+std::string on_gpu(const char* op, Mirror& m, const Status& s) {
+  if (s.code() == switchyard::StatusCode::kUnsupported) return "";
+  if (!s.ok()) return std::string(op) + " on the GPU: " + s.to_string();
+  const std::string diff = m.check();
+  return diff.empty() ? "" : std::string(op) + ": " + diff;
+}
+
+// The layout workspace a GPU call needs.
+void* gpu_workspace(Mirror& m, const switchyard::LayoutConfig& config, std::int64_t T, int K, std::size_t* bytes) {
+  *bytes = 0;
+  if (!switchyard::layout_workspace_size(config, T, K, Device::cuda(0), bytes).ok()) return nullptr;
+  return m.scratch(*bytes);
+}
 
 // Values of `dtype` for `count` elements: raw bit patterns, normals, a few tied levels, or
 // normals mixed with NaN, +-inf, +-0, denormals and huge values.
@@ -166,7 +183,12 @@ std::string fuzz_route(const std::uint8_t* data, std::size_t size) {
   }
   const Status s2 = call(ids2, w2);
   if (!s2.ok() || ids.mem != ids2.mem || w.mem != w2.mem) return fail("route: a second call gave other bits");
-  return "";
+  if (!cuda_enabled()) return "";
+  Mirror m;
+  const Status on_device = switchyard::route(c, m.in(logits_v), m.in(bias_v),
+                                     m.out(TensorView::of(ids.data(), idt, {T, k_out}), "topk_ids"),
+                                     m.out(TensorView::of(w.data(), wdt, {T, k_out}), "topk_weights"));
+  return on_gpu("route", m, on_device);
 }
 
 // ----------------------------------------------------------------------------- layout
@@ -284,7 +306,17 @@ std::string fuzz_layout(const std::uint8_t* data, std::size_t size) {
     }
   }
   if (!s.ok()) return "layout " + sy_test::describe(r.c) + ": " + s.to_string();
-  return compare_layout(r);
+  const std::string cpu = compare_layout(r);
+  if (!cpu.empty() || !cuda_enabled()) return cpu;
+  Mirror m;
+  const TensorView map = r.c.local == sy_test::LocalKind::kMap
+                             ? m.in(TensorView::of(r.in.expert_map.data(), DType::kInt32, {r.c.E}))
+                             : TensorView{};
+  const switchyard::LayoutConfig config = sy_test::make_config(r.c, map.data, Device::cuda(0));
+  std::size_t ws_bytes = 0;
+  void* ws = gpu_workspace(m, config, r.c.T, r.c.K, &ws_bytes);
+  const Status on_device = switchyard::layout(config, m.in(r.ids()), m.out(r.views()), ws, ws_bytes);
+  return on_gpu(("layout " + sy_test::describe(r.c)).c_str(), m, on_device);
 }
 
 // ----------------------------------------------------------------------------- gather, combine
@@ -350,7 +382,15 @@ std::string fuzz_gather(const std::uint8_t* data, std::size_t size) {
     }
   }
   if (!out.poisoned_from(out.bytes) || !out_s.poisoned_from(out_s.bytes)) return "gather: wrote past x_perm";
-  return "";
+  if (!cuda_enabled()) return "";
+  Mirror m;
+  const Status on_device = switchyard::gather(
+      m.in(TensorView::of(x.data(), dt, {T, H}).with_row_stride(stride)),
+      m.in(cols ? TensorView::of(xs.data(), DType::kFloat32, {T, cols}) : TensorView{}), m.in(lay),
+      m.out(TensorView::of(out.data(), dt, {R, H}), "x_perm"),
+      m.out(cols ? TensorView::of(out_s.data(), DType::kFloat32, {R, cols}) : TensorView{}, "x_perm_scales"),
+      zero_fill);
+  return on_gpu("gather", m, on_device);
 }
 
 std::string fuzz_combine(const std::uint8_t* data, std::size_t size) {
@@ -404,7 +444,13 @@ std::string fuzz_combine(const std::uint8_t* data, std::size_t size) {
     }
   }
   if (!out.poisoned_from(out.bytes)) return "combine: wrote past out";
-  return "";
+  if (!cuda_enabled()) return "";
+  Mirror m;
+  const Status on_device = switchyard::combine(
+      m.in(TensorView::of(y.data(), ydt, {R, H}).with_row_stride(stride)), m.in(r.views()),
+      m.in(wkind ? TensorView::of(w.data(), wdt, {T, K}) : TensorView{}),
+      m.out(TensorView::of(out.data(), odt, {T, H}), "out", accumulate ? before.data() : nullptr), accumulate);
+  return on_gpu("combine", m, on_device);
 }
 
 // ----------------------------------------------------------------------------- route_and_layout
@@ -457,7 +503,17 @@ std::string fuzz_route_and_layout(const std::uint8_t* data, std::size_t size) {
   if (!s.ok()) return "route_and_layout: " + s.to_string();
   if (ids != ids_fused || w != w_fused)
     return "route_and_layout: ids or weights differ from route()";
-  return compare_layout(r);
+  const std::string cpu = compare_layout(r);
+  if (!cpu.empty() || !cuda_enabled()) return cpu;
+  Mirror m;
+  const switchyard::LayoutConfig config = sy_test::make_config(c, nullptr, Device::cuda(0));
+  std::size_t ws_bytes = 0;
+  void* ws = gpu_workspace(m, config, T, K, &ws_bytes);
+  const Status on_device = switchyard::route_and_layout(
+      rc, m.in(logits_v), m.in(bias_v), m.out(TensorView::of(ids_fused.data(), DType::kInt32, {T, K}), "topk_ids"),
+      m.out(TensorView::of(w_fused.data(), DType::kFloat32, {T, K}), "topk_weights"), config, m.out(r.views()), ws,
+      ws_bytes);
+  return on_gpu("route_and_layout", m, on_device);
 }
 
 // ----------------------------------------------------------------------------- ep

@@ -221,17 +221,19 @@ class GpuTimer:
         n = int(max(10, min(self.replays, self.budget_s * 1e6 / max(probe * per_replay_calls, 1e-3))))
         return [once() for _ in range(n)]
 
-    def time_eager(self, fn: Callable[[int], Any]) -> Dict[str, Any]:
-        """Per-call time of `calls` eager calls between events (for what cannot be captured)."""
-        self._warm(fn)
-
+    def _eager(self, fn: Callable[[int], Any], note: str = "") -> Dict[str, Any]:
         def eager() -> None:
             for i in range(self.calls):
                 fn(i)
 
         r = _percentiles(self._replays(eager, self.calls))
-        r["method"] = f"eager, {self.calls} calls between events"
+        r["method"] = f"eager, {self.calls} calls between events{note}"
         return r
+
+    def time_eager(self, fn: Callable[[int], Any]) -> Dict[str, Any]:
+        """Per-call time of `calls` eager calls between events (for what cannot be captured)."""
+        self._warm(fn)
+        return self._eager(fn)
 
     def time(self, fn: Callable[[int], Any]) -> Dict[str, Any]:
         torch = self.torch
@@ -245,14 +247,7 @@ class GpuTimer:
             del graph
             torch.cuda.synchronize()
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-
-            def eager() -> None:
-                for i in range(self.calls):
-                    fn(i)
-
-            r = _percentiles(self._replays(eager, self.calls))
-            r["method"] = f"eager, {self.calls} calls between events (graph capture failed: {reason})"
-            return r
+            return self._eager(fn, f" (graph capture failed: {reason})")
         try:
             r = _percentiles(self._replays(graph.replay, self.calls))
         finally:

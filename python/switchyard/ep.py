@@ -42,7 +42,7 @@ from torch import Tensor
 
 from . import _ext
 from ._core import UnsupportedError, check_status, max_tiles
-from .ops import _DTYPES, Layout, _eager_without_dynamo, _layout_view, _view
+from .ops import _DTYPES, Layout, _eager_kernel, _eager_without_dynamo, _layout_view, _view
 
 __all__ = ["CpuGroup", "Dispatched", "GpuDispatched", "GpuGroup", "Handle", "LoopbackGroup", "run_ranks"]
 
@@ -340,8 +340,9 @@ class _Group:
             _need_tensor(op, name, t, optional)
         if reuse and not (isinstance(handle, Handle) and handle.valid):
             raise ValueError(f"{op}: argument 'handle': reuse needs the Handle of an earlier dispatch of this group")
-        outs = torch.ops.switchyard.ep_dispatch(self._state, self.group_id, rank, x, topk_ids, topk_weights, scales,
-                                                bool(expert_major), handle.memory if reuse else None)
+        kernel = _eager_kernel(_ep_dispatch, x, topk_ids, topk_weights, scales) or torch.ops.switchyard.ep_dispatch
+        outs = kernel(self._state, self.group_id, rank, x, topk_ids, topk_weights, scales, bool(expert_major),
+                      handle.memory if reuse else None)
         h = Handle(handle.memory if reuse else outs[_OUT_HANDLE], x.shape[0], bool(expert_major))
         return GpuDispatched(self, rank, outs, bool(expert_major), h)
 
@@ -366,8 +367,9 @@ class _Group:
             if accumulate:
                 raise ValueError(f"{op}: argument 'accumulate': needs `out` (the tensor to add to)")
             out = y.new_empty((handle.tokens, self.hidden), dtype=out_dtype or y.dtype, device=self.device)
-        torch.ops.switchyard.ep_combine(self._state, self.group_id, rank, handle.memory, handle.tokens,
-                                        handle.expert_major, y, bool(expert_major), out, bool(accumulate))
+        kernel = _eager_kernel(_ep_combine, y, out) or torch.ops.switchyard.ep_combine
+        kernel(self._state, self.group_id, rank, handle.memory, handle.tokens, handle.expert_major, y,
+               bool(expert_major), out, bool(accumulate))
         return out
 
 

@@ -19,10 +19,11 @@ Ops (all run on CPU or CUDA tensors, on the current CUDA stream of the tensors' 
 import contextlib
 import operator
 import sys
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import _autograd, _ext
 from ._core import (DROPPED, NUM_TILES, NUM_TOTALS, PADDED_TOTAL, LocalExperts, RoutingConfig,
@@ -55,6 +56,9 @@ if hasattr(torch, "float8_e4m3fn"):
 _ABSENT = _ext.TensorView()
 
 
+_CPU, _CUDA = _ext.DeviceType.cpu, _ext.DeviceType.cuda
+
+
 def _view(op: str, name: str, t: Optional[Tensor]) -> Any:
     """The TensorView of `t` (absent for None); TypeError / ValueError naming `name` for what
     a TensorView cannot describe."""
@@ -67,14 +71,15 @@ def _view(op: str, name: str, t: Optional[Tensor]) -> Any:
         raise TypeError(f"{op}: argument '{name}': dtype {t.dtype} is not supported by Switchyard")
     if t.dim() > 4:
         raise ValueError(f"{op}: argument '{name}': has {t.dim()} dimensions, at most 4 are supported")
-    dev = t.device
-    if dev.type == "cpu":
-        dev_type, dev_index = _ext.DeviceType.cpu, 0
-    elif dev.type == "cuda":
-        dev_type, dev_index = _ext.DeviceType.cuda, dev.index if dev.index is not None else 0
+    # Every op makes a view of each tensor argument on each call (eager host time): the cheapest
+    # queries (is_cuda / is_cpu, get_device, shape and strides as tuples).
+    if t.is_cuda:
+        dev_type, dev_index = _CUDA, t.get_device()
+    elif t.is_cpu:
+        dev_type, dev_index = _CPU, 0
     else:
-        raise ValueError(f"{op}: argument '{name}': is on {dev}, expected a cpu or cuda tensor")
-    return _ext.TensorView(t.data_ptr(), dtype, list(t.shape), list(t.stride()), dev_type, dev_index)
+        raise ValueError(f"{op}: argument '{name}': is on {t.device}, expected a cpu or cuda tensor")
+    return _ext.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), dev_type, dev_index)
 
 
 def _call(fn: Any, device: torch.device, *args: Any, rename: Optional[Dict[str, str]] = None) -> None:
@@ -607,7 +612,28 @@ def route(logits: Tensor, config: Union[RoutingConfig, str], bias: Optional[Tens
         return topk_ids, topk_weights
     _check_dtype("route", "ids_dtype", ids_dtype, (torch.int32, torch.int64))
     _check_dtype("route", "weights_dtype", weights_dtype, (torch.float32, torch.bfloat16))
-    return torch.ops.switchyard.route(logits, bias, *cfg._op_args, ids_dtype, weights_dtype)
+    kernel = _eager_kernel(_route_functional, logits, bias) or torch.ops.switchyard.route
+    return kernel(logits, bias, *cfg._op_args, ids_dtype, weights_dtype)
+
+
+def _eager_kernel(opdef: Any, *tensors: Optional[Tensor]) -> Optional[Callable[..., Any]]:
+    """The op's own Python kernel, to call instead of going through torch.ops, when nothing needs
+    the dispatcher: plain eager execution (not traced by torch.compile, no dispatch or function
+    mode such as FakeTensorMode), plain tensors, and no gradient to record. Saves the
+    dispatcher's host time (about a fifth of a small call's); None: call the op."""
+    fn = getattr(opdef, "_init_fn", None)
+    if (fn is None or torch.compiler.is_compiling() or _current_dispatch_mode() is not None
+            or torch._C._is_torch_function_mode_enabled()):
+        return None
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+            return None
+        if grad and t.requires_grad:
+            return None
+    return fn
 
 
 def _raise_if_dropped(op: str, result: Layout) -> None:
@@ -632,8 +658,9 @@ def layout(topk_ids: Tensor, num_experts: int, tile_size: int = 1, local: Any = 
     tile_size = _int_arg("layout", "tile_size", tile_size)
     start, count, stride, expert_map = _local_args(local)
     if out is None:
-        result = Layout(*torch.ops.switchyard.layout(topk_ids, expert_map, num_experts, tile_size, start, count,
-                                                     stride, independent_blocks))
+        kernel = _eager_kernel(_layout_functional, topk_ids, expert_map) or torch.ops.switchyard.layout
+        result = Layout(*kernel(topk_ids, expert_map, num_experts, tile_size, start, count, stride,
+                                independent_blocks))
     else:
         if workspace is None:
             workspace = _workspace_for((_rows_2d(topk_ids), _cols_2d(topk_ids)), num_experts, tile_size,
@@ -693,9 +720,10 @@ def gather(x: Tensor, layout: Layout, scales: Optional[Tensor] = None, zero_fill
                                         zero_fill_padding, e2p)
         return out if scales is None else (out, out_scales)
     if scales is None:
-        return torch.ops.switchyard.gather(x, layout.permuted_to_token, layout.totals, zero_fill_padding, e2p)
-    return torch.ops.switchyard.gather_scaled(x, scales, layout.permuted_to_token, layout.totals, zero_fill_padding,
-                                              e2p)
+        kernel = _eager_kernel(_gather_functional, x) or torch.ops.switchyard.gather
+        return kernel(x, layout.permuted_to_token, layout.totals, zero_fill_padding, e2p)
+    kernel = _eager_kernel(_gather_scaled_functional, x, scales) or torch.ops.switchyard.gather_scaled
+    return kernel(x, scales, layout.permuted_to_token, layout.totals, zero_fill_padding, e2p)
 
 
 def combine(y_perm: Tensor, layout: Layout, weights: Optional[Tensor] = None, out: Optional[Tensor] = None,
@@ -718,7 +746,8 @@ def combine(y_perm: Tensor, layout: Layout, weights: Optional[Tensor] = None, ou
         return out
     if accumulate:
         raise ValueError("combine: argument 'accumulate': needs `out` to accumulate into")
-    return torch.ops.switchyard.combine(y_perm, layout.expanded_to_permuted, layout.permuted_to_token, weights)
+    kernel = _eager_kernel(_combine_functional, y_perm, weights) or torch.ops.switchyard.combine
+    return kernel(y_perm, layout.expanded_to_permuted, layout.permuted_to_token, weights)
 
 
 def empty_layout(num_tokens: int, top_k: int, num_experts: int, tile_size: int = 1, local: Any = None,

@@ -416,3 +416,26 @@ def test_first_eager_call_does_not_load_the_compiler():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False", "an eager call imported torch._dynamo"
+
+
+def test_eager_fast_path_leaves_tracing_modes_and_autograd_to_the_ops():
+    """Plain eager calls skip the dispatcher (ops._eager_kernel); under a dispatch mode (here
+    FakeTensorMode, as torch.compile traces) and with a gradient to record they go through the
+    registered ops, fake implementations and autograd included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(5)]).to(torch.int32)
+    x = torch.randn(5, 4)
+    assert sy.ops._eager_kernel(sy.ops._layout_functional, ids) is not None
+    with FakeTensorMode() as mode:
+        fake_ids, fake_x = mode.from_tensor(ids), mode.from_tensor(x)
+        assert sy.ops._eager_kernel(sy.ops._layout_functional, fake_ids) is None
+        lay = sy.layout(fake_ids, 8)
+        assert lay.counts.shape == (8,) and sy.gather(fake_x, lay).shape == (lay.permuted_to_token.shape[0], 4)
+    lay = sy.layout(ids, 8)
+    xg = x.clone().requires_grad_()
+    assert sy.ops._eager_kernel(sy.ops._gather_functional, xg) is None
+    sy.gather(xg, lay).sum().backward()
+    assert torch.equal(xg.grad, torch.full((5, 4), 2.0))  # each token's two rows
+    with torch.no_grad():
+        assert sy.ops._eager_kernel(sy.ops._gather_functional, xg) is not None

@@ -293,3 +293,39 @@ def test_two_processes_over_gloo_match_cpu_group(tmp_path):
         assert torch.equal(got[r]["src_rank"], cd[r].src_rank)
         assert torch.equal(got[r]["src_token"], cd[r].src_token)
         assert torch.equal(got[r]["out"], co[r]), f"combine, rank {r}"
+
+
+def _bad_config_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # Rank 1 asks for 5 experts (not a multiple of the 2 ranks); rank 0 for a valid group.
+        ep.GpuGroup(None, num_experts=4 if rank == 0 else 5, top_k=2, max_tokens=4, hidden=8, dtype=torch.float32,
+                    timeout_seconds=20.0)
+        message = "created"
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        message = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+@pytest.mark.skipif(not sy.built_with_cuda(), reason="GpuGroup needs a build with the CUDA backend")
+def test_gpu_group_bad_config_on_one_rank_fails_every_rank(tmp_path):
+    """A rank whose arguments are bad fails at creation and its peers fail too, naming it, instead
+    of waiting in the handle exchange (on a machine without a GPU every rank fails on its own
+    device check, through the same verdict exchange)."""
+    import torch.multiprocessing as mp
+
+    start = time.monotonic()
+    mp.spawn(_bad_config_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert time.monotonic() - start < 60.0
+    got = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert got[1].startswith("ValueError") and "num_experts" in got[1], got
+    if CUDA_REASON is None:
+        assert got[0].startswith("ValueError") and "rank 1" in got[0] and "num_experts" in got[0], got
+    else:
+        assert got[0].startswith("RuntimeError") and "CUDA" in got[0], got

@@ -522,15 +522,21 @@ TEST_F(EpCuda, LargeRowsMatchCpuGroup) {
   w.round();
 }
 
-TEST_F(EpCuda, ReuseGivesTheSameOutputs) {
+// An expert-major case of R ranks with L experts each, top-K, tile M.
+Case expert_major_case(int R, int L, int K, std::int64_t max_tokens, std::int64_t H, int M) {
   Case c;
-  c.R = 3;
-  c.L = 4;
-  c.K = 3;
-  c.max_tokens = 21;
-  c.H = 40;
+  c.R = R;
+  c.L = L;
+  c.K = K;
+  c.max_tokens = max_tokens;
+  c.H = H;
   c.expert_major = true;
-  c.M = 2;
+  c.M = M;
+  return c;
+}
+
+TEST_F(EpCuda, ReuseGivesTheSameOutputs) {
+  const Case c = expert_major_case(3, 4, 3, 21, 40, 2);
   const std::uint64_t seed = sy_test::test_seed();
   SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
   World w(c, seed);
@@ -557,14 +563,7 @@ TEST_F(EpCuda, ReuseGivesTheSameOutputs) {
 // A handle rebuilt from its dispatch's memory (adopt_handle: how the PyTorch ops carry it)
 // combines as the dispatch's own; bad memory or token counts are refused, naming the argument.
 TEST_F(EpCuda, AdoptedHandleCombinesTheSame) {
-  Case c;
-  c.R = 3;
-  c.L = 2;
-  c.K = 4;
-  c.max_tokens = 19;
-  c.H = 24;
-  c.expert_major = true;
-  c.M = 3;
+  const Case c = expert_major_case(3, 2, 4, 19, 24, 3);
   const std::uint64_t seed = sy_test::test_seed();
   SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
   World w(c, seed);

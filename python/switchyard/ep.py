@@ -777,7 +777,12 @@ class GpuGroup(_GpuGroupBase):
         verdicts: List[Any] = [None] * world
         dist.all_gather_object(verdicts, None if error is None else f"{type(error).__name__}: {error}", group=pg)
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                # Break the frame <-> traceback cycle: it would keep this frame, and with it the
+                # process group, alive past destroy_process_group, to be torn down at exit.
+                error = None
         bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
         if bad:
             r, v = bad[0]

@@ -235,6 +235,27 @@ struct LayoutRun {
     return c.ids64 ? TensorView::of(in.ids.data(), DType::kInt64, {c.T, c.K})
                    : TensorView::of(in.ids32.data(), DType::kInt32, {c.T, c.K});
   }
+  // The reference layout of c and in, and the output arrays at its capacities plus `guard`
+  // elements each, poisoned.
+  void prepare(std::size_t guard) {
+    want = sy_test::reference_layout(c, in);
+    const int L = sy_test::num_local(c);
+    const std::int32_t p = sy_test::kPoisonI32;
+    counts.assign(L + guard, p);
+    offsets.assign(L + 1 + guard, p);
+    p2x.assign(want.rows + guard, p);
+    p2t.assign(want.rows + guard, p);
+    x2p.assign(c.T * c.K + guard, p);
+    tile_expert.assign(want.tiles + guard, p);
+    tile_row_end.assign(want.tiles + guard, p);
+    totals.assign(switchyard::kNumTotals + guard, p);
+  }
+  // prepare() for int32 ids of the case's shape.
+  void prepare(const std::vector<std::int32_t>& ids32, std::size_t guard) {
+    in.ids.assign(ids32.begin(), ids32.end());
+    in.ids32 = ids32;
+    prepare(guard);
+  }
 };
 
 void make_run(Bytes& b, LayoutRun* r) {
@@ -242,18 +263,7 @@ void make_run(Bytes& b, LayoutRun* r) {
   sy_test::LayoutInputsDraw draw;
   draw.invalid_every = 0;
   r->in = sy_test::make_layout_inputs(r->c, b.u64(), draw);
-  r->want = sy_test::reference_layout(r->c, r->in);
-  const int L = sy_test::num_local(r->c);
-  const std::int32_t p = sy_test::kPoisonI32;
-  const std::size_t g = kGuardBytes / 4;
-  r->counts.assign(L + g, p);
-  r->offsets.assign(L + 1 + g, p);
-  r->p2x.assign(r->want.rows + g, p);
-  r->p2t.assign(r->want.rows + g, p);
-  r->x2p.assign(r->c.T * r->c.K + g, p);
-  r->tile_expert.assign(r->want.tiles + g, p);
-  r->tile_row_end.assign(r->want.tiles + g, p);
-  r->totals.assign(switchyard::kNumTotals + g, p);
+  r->prepare(kGuardBytes / 4);
 }
 
 std::string compare_array(const char* name, const std::vector<std::int32_t>& got,
@@ -484,19 +494,7 @@ std::string fuzz_route_and_layout(const std::uint8_t* data, std::size_t size) {
   Status s = switchyard::route(rc, logits_v, bias_v, TensorView::of(ids.data(), DType::kInt32, {T, K}),
                                TensorView::of(w.data(), DType::kFloat32, {T, K}));
   if (!s.ok()) return "route: " + s.to_string();
-  r.in.ids.assign(ids.begin(), ids.end());
-  r.in.ids32 = ids;
-  r.want = sy_test::reference_layout(c, r.in);
-  const int L = sy_test::num_local(c);
-  const std::int32_t p = sy_test::kPoisonI32;
-  r.counts.assign(L, p);
-  r.offsets.assign(L + 1, p);
-  r.p2x.assign(r.want.rows, p);
-  r.p2t.assign(r.want.rows, p);
-  r.x2p.assign(T * K, p);
-  r.tile_expert.assign(r.want.tiles, p);
-  r.tile_row_end.assign(r.want.tiles, p);
-  r.totals.assign(switchyard::kNumTotals, p);
+  r.prepare(ids, 0);
   s = switchyard::route_and_layout(rc, logits_v, bias_v, TensorView::of(ids_fused.data(), DType::kInt32, {T, K}),
                                    TensorView::of(w_fused.data(), DType::kFloat32, {T, K}),
                                    sy_test::make_config(c, nullptr, Device::cpu()), r.views(), nullptr, 0);
@@ -627,18 +625,7 @@ std::string fuzz_ep(const std::uint8_t* data, std::size_t size) {
   lr.c.E = cfg.num_experts;
   lr.c.K = K;
   lr.c.M = cfg.tile_size;
-  lr.in.ids.assign(rk.ids.begin(), rk.ids.end());
-  lr.in.ids32 = rk.ids;
-  lr.want = sy_test::reference_layout(lr.c, lr.in);
-  const std::int32_t p = sy_test::kPoisonI32;
-  lr.counts.assign(L, p);
-  lr.offsets.assign(L + 1, p);
-  lr.p2x.assign(lr.want.rows, p);
-  lr.p2t.assign(lr.want.rows, p);
-  lr.x2p.assign(rk.T * K, p);
-  lr.tile_expert.assign(lr.want.tiles, p);
-  lr.tile_row_end.assign(lr.want.tiles, p);
-  lr.totals.assign(switchyard::kNumTotals, p);
+  lr.prepare(rk.ids, 0);
   if (!switchyard::layout(sy_test::make_config(lr.c, nullptr, Device::cpu()), lr.ids(), lr.views(), nullptr, 0).ok())
     return "ep: layout of the same ids failed";
   const std::int64_t rows = lr.want.rows;

@@ -34,6 +34,14 @@ EP_NOTE = ("ours: LoopbackGroup dispatch into the expert-major layout / combine 
            "index_add_ per token")
 
 
+def destinations(torch: Any, ids: Any, R: int, L: int) -> Any:
+    """[T,R] bool: whether token t goes to rank d (one of its ids is among d's L experts)."""
+    dest = torch.where(ids >= 0, ids // L, R).long()  # R: no destination
+    mask = torch.zeros(ids.shape[0], R + 1, dtype=torch.bool, device=ids.device)
+    mask.scatter_(1, dest, True)
+    return mask[:, :R]
+
+
 class TorchEp:
     """The PyTorch user's expert-parallel path on one GPU for R simulated ranks (see the module
     docstring); dispatch() keeps what combine() needs."""
@@ -52,10 +60,8 @@ class TorchEp:
         sends, self.splits, self.src_tokens = [], [], []
         self.tokens = [x.shape[0] for x in xs]
         for x, i, w in zip(xs, ids, ws):
-            dest = torch.where(i >= 0, i // L, R)  # [T,K]; R: no destination
-            mask = torch.zeros(x.shape[0], R + 1, dtype=torch.bool, device=x.device)
-            mask.scatter_(1, dest.long(), True)
-            d_idx, t_idx = mask[:, :R].t().nonzero(as_tuple=True)  # ordered by destination, then token
+            mask = destinations(torch, i, R, L)
+            d_idx, t_idx = mask.t().nonzero(as_tuple=True)  # ordered by destination, then token
             sends.append([x.index_select(0, t_idx), i.index_select(0, t_idx), w.index_select(0, t_idx)])
             self.splits.append(torch.bincount(d_idx, minlength=R).tolist())  # all_to_all_single's splits
             self.src_tokens.append(t_idx)
@@ -93,10 +99,7 @@ class TorchEp:
 
 def _pairs(torch: Any, ids: Any, R: int, L: int) -> int:
     """(token, destination rank) pairs of one rank's ids."""
-    dest = torch.where(ids >= 0, ids // L, R).long()
-    mask = torch.zeros(ids.shape[0], R + 1, dtype=torch.bool, device=ids.device)
-    mask.scatter_(1, dest, True)
-    return int(mask[:, :R].sum())
+    return int(destinations(torch, ids, R, L).sum())
 
 
 def run_point(ctx: Any, shape: str, T: int, R: int, dtype_name: str) -> List[Dict[str, Any]]:

@@ -23,4 +23,19 @@ switchyard::ep::GroupConfig ep_group_config(const Case& c, double timeout_second
   return cfg;
 }
 
+// An expert-major case (of either EP test's Case type): R ranks of L experts each, top-K, at most
+// max_tokens rows of H elements a rank, tile M.
+template <class Case>
+Case ep_expert_major_case(int R, int L, int K, std::int64_t max_tokens, std::int64_t H, int M) {
+  Case c;
+  c.R = R;
+  c.L = L;
+  c.K = K;
+  c.max_tokens = max_tokens;
+  c.H = H;
+  c.expert_major = true;
+  c.M = M;
+  return c;
+}
+
 }  // namespace sy_test

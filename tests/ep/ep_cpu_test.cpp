@@ -1053,14 +1053,7 @@ TEST(EpCpuCombine, AllDtypesBitExact) {
   const std::uint64_t seed = sy_test::test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
-  Case c;
-  c.R = 3;
-  c.L = 3;
-  c.K = 4;
-  c.M = 7;
-  c.max_tokens = 21;
-  c.H = 24;
-  c.expert_major = true;
+  const Case c = sy_test::ep_expert_major_case<Case>(3, 3, 4, 21, 24, 7);
   World w;
   ASSERT_TRUE(w.setup(c, g()));
   for (const DType y : kFloatDtypes) {
@@ -1078,14 +1071,7 @@ TEST(EpCpuCombine, Bf16PartialsRoundEachRank) {
   const std::uint64_t seed = sy_test::test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
-  Case c;
-  c.R = 4;
-  c.L = 2;
-  c.K = 3;
-  c.M = 3;
-  c.max_tokens = 17;
-  c.H = 20;
-  c.expert_major = true;
+  Case c = sy_test::ep_expert_major_case<Case>(4, 2, 3, 17, 20, 3);
   c.partial = DType::kBFloat16;
   World w;
   ASSERT_TRUE(w.setup(c, g()));

@@ -522,21 +522,8 @@ TEST_F(EpCuda, LargeRowsMatchCpuGroup) {
   w.round();
 }
 
-// An expert-major case of R ranks with L experts each, top-K, tile M.
-Case expert_major_case(int R, int L, int K, std::int64_t max_tokens, std::int64_t H, int M) {
-  Case c;
-  c.R = R;
-  c.L = L;
-  c.K = K;
-  c.max_tokens = max_tokens;
-  c.H = H;
-  c.expert_major = true;
-  c.M = M;
-  return c;
-}
-
 TEST_F(EpCuda, ReuseGivesTheSameOutputs) {
-  const Case c = expert_major_case(3, 4, 3, 21, 40, 2);
+  const Case c = sy_test::ep_expert_major_case<Case>(3, 4, 3, 21, 40, 2);
   const std::uint64_t seed = sy_test::test_seed();
   SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
   World w(c, seed);
@@ -563,7 +550,7 @@ TEST_F(EpCuda, ReuseGivesTheSameOutputs) {
 // A handle rebuilt from its dispatch's memory (adopt_handle: how the PyTorch ops carry it)
 // combines as the dispatch's own; bad memory or token counts are refused, naming the argument.
 TEST_F(EpCuda, AdoptedHandleCombinesTheSame) {
-  const Case c = expert_major_case(3, 2, 4, 19, 24, 3);
+  const Case c = sy_test::ep_expert_major_case<Case>(3, 2, 4, 19, 24, 3);
   const std::uint64_t seed = sy_test::test_seed();
   SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
   World w(c, seed);

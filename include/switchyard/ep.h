@@ -125,6 +125,18 @@ struct CombineInputs {
   // rank-major:   [N,H] bf16, fp16 or fp32: one row per received row, already reduced over
   //               this rank's experts by the caller (DeepEP's combine input).
   TensorView y;  // any row stride >= H
+  // Expert-major only: false sums the local picks' rows without weights (the backward of
+  // dispatch, docs/design.md section 7).
+  bool weighted = true;
+  // Optional per-pick fp32 values sent back with the rows (in a training backward: the gradient
+  // of the dispatched weights; DeepEP's combined weights). pick_values [N,K] fp32, contiguous, on
+  // this rank as destination: one value per received row and pick (a rank that passes none sends
+  // zeros). pick_values_out [T,K] fp32, contiguous, on this rank as source (written when present):
+  // per token, the sum of those values over the ranks it went to, in rank order, in fp32; 0 for
+  // a token sent nowhere. A rank passing 0 for the picks it does not own makes each value
+  // arrive unchanged at its pick.
+  TensorView pick_values;
+  TensorView pick_values_out;
 };
 
 // A group of R ranks simulated by threads (see the top of this file). Every collective call

@@ -277,7 +277,10 @@ NB_MODULE(_ext, m) {
   nb::class_<ep::CombineInputs>(m, "EpCombineInputs")
       .def(nb::init<>())
       .def_rw("expert_major", &ep::CombineInputs::expert_major)
-      .def_rw("y", &ep::CombineInputs::y);
+      .def_rw("y", &ep::CombineInputs::y)
+      .def_rw("weighted", &ep::CombineInputs::weighted)
+      .def_rw("pick_values", &ep::CombineInputs::pick_values)
+      .def_rw("pick_values_out", &ep::CombineInputs::pick_values_out);
   nb::class_<ep::Handle>(m, "EpHandle").def(nb::init<>()).def_prop_ro("valid", &ep::Handle::valid);
 
   nb::class_<ep::CpuGroup>(m, "EpCpuGroup")

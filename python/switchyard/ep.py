@@ -88,6 +88,8 @@ _OUT_LAYOUT = 7  # 8 arrays, Layout's order
 _OUT_EXPERT_X, _OUT_EXPERT_SCALES, _OUT_HANDLE = 15, 16, 17
 # A tuple, not Tensor[]: functionalization takes a mutating op's outputs only as a fixed tuple.
 _DispatchOuts = Tuple[(Tensor,) * 18]
+# The outputs a gradient flows back through: the received rows and weights.
+_DIFFERENTIABLE_OUTS = (_OUT_X, _OUT_WEIGHTS, _OUT_EXPERT_X)
 
 
 def _registered(group_id: int, op: str) -> Any:
@@ -117,21 +119,100 @@ def _(state, group_id, rank, x, topk_ids, topk_weights, scales, expert_major, re
         expert_major, reuse_memory is not None, x.new_empty))
 
 
-@torch.library.custom_op("switchyard::ep_combine", mutates_args=("state", "out"))
+@torch.library.custom_op("switchyard::ep_combine", mutates_args=("state", "out", "pick_values_out"))
 def _ep_combine(state: Tensor, group_id: int, rank: int, handle_memory: Tensor, tokens: int,
-                dispatch_expert_major: bool, y: Tensor, expert_major: bool, out: Tensor, accumulate: bool) -> None:
-    """One rank's combine on group `group_id` into out [tokens, H] (read too with accumulate)."""
+                dispatch_expert_major: bool, y: Tensor, expert_major: bool, out: Tensor, accumulate: bool,
+                weighted: bool, pick_values: Optional[Tensor], pick_values_out: Tensor) -> None:
+    """One rank's combine on group `group_id` into out [tokens, H] (read too with accumulate).
+    weighted=False sums the expert-major rows without weights; pick_values [max_recv_rows, K] fp32
+    are sent back, summed per token into pick_values_out [tokens, K] (an empty tensor: not asked)."""
     _registered(group_id, f"ep combine (rank {rank})")._combine_impl(
-        rank, handle_memory, tokens, dispatch_expert_major, y, expert_major, out, accumulate)
+        rank, handle_memory, tokens, dispatch_expert_major, y, expert_major, out, accumulate,
+        _CombineExtras(weighted, pick_values, pick_values_out if pick_values_out.numel() > 0 else None))
 
 
 @_ep_combine.register_fake
-def _(state, group_id, rank, handle_memory, tokens, dispatch_expert_major, y, expert_major, out, accumulate):
+def _(state, group_id, rank, handle_memory, tokens, dispatch_expert_major, y, expert_major, out, accumulate,
+      weighted, pick_values, pick_values_out):
     return None
+
+
+class _CombineExtras(NamedTuple):
+    """The training fields of a combine (ep.h CombineInputs): unweighted rows, pick values."""
+
+    weighted: bool = True
+    pick_values: Optional[Tensor] = None
+    pick_values_out: Optional[Tensor] = None
+
+    def apply(self, op: str, ci: Any) -> None:
+        ci.weighted = bool(self.weighted)
+        ci.pick_values = _view(op, "pick_values", self.pick_values)
+        ci.pick_values_out = _view(op, "pick_values_out", self.pick_values_out)
 
 
 _eager_without_dynamo(_ep_dispatch)
 _eager_without_dynamo(_ep_combine)
+
+
+# ----------------------------------------------------------------------------- gradients
+#
+# docs/design.md section 7, DeepEP's pairing: dispatch's backward is a combine of the received
+# rows' gradients over the same handle (unweighted: each source token sums its copies' gradients
+# in rank order, each rank first summing its local picks' rows in k order), which also sends the
+# received weights' gradients back (pick values); combine's backward is a dispatch of the output
+# gradient reusing the handle (in the group's row dtype), followed by the local products
+#   dy[p] = w(p) * dout_recv[p]   (fp32 product, stored in y's dtype)
+#   dw[n,k] = <dout_recv[row(n,k)], y[row(n,k)]>   (fp32 dot product; 0 for picks elsewhere).
+# Both backwards are collectives: every rank's backward makes them in the same order, as the
+# forward calls were made.
+
+
+def _records_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _EpDispatchGrad(torch.autograd.Function):
+    """ep_dispatch on the autograd tape: gradients flow to x and topk_weights from the received
+    rows (rank-major x, expert-major expert_x) and the received weights."""
+
+    @staticmethod
+    def forward(ctx, group, rank, x, topk_ids, topk_weights, scales, expert_major, reuse_memory):
+        outs = torch.ops.switchyard.ep_dispatch(group._state, group.group_id, rank, x, topk_ids, topk_weights,
+                                                scales, expert_major, reuse_memory)
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(outs) if i not in _DIFFERENTIABLE_OUTS))
+        ctx.set_materialize_grads(False)  # None for outputs no gradient reached
+        ctx.group, ctx.rank, ctx.expert_major = group, rank, expert_major
+        ctx.x_dtype, ctx.tokens = x.dtype, x.shape[0]
+        ctx.save_for_backward(reuse_memory if reuse_memory is not None else outs[_OUT_HANDLE])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (memory,) = ctx.saved_tensors
+        dx, dw = ctx.group._dispatch_backward(
+            ctx.rank, Handle(memory, ctx.tokens, ctx.expert_major), grads[_OUT_X], grads[_OUT_WEIGHTS],
+            grads[_OUT_EXPERT_X], ctx.x_dtype, ctx.needs_input_grad[2], ctx.needs_input_grad[4])
+        return None, None, dx, None, dw, None, None, None
+
+
+class _EpCombineGrad(torch.autograd.Function):
+    """ep_combine on the autograd tape: gradients flow to y, to the received weights (expert-major)
+    and, with accumulate, to what `out` held."""
+
+    @staticmethod
+    def forward(ctx, group, rank, handle, expert_major, y, received_weights, out, accumulate):
+        group._combine_call(rank, handle, y, expert_major, out, accumulate)
+        ctx.mark_dirty(out)
+        ctx.group, ctx.rank, ctx.handle, ctx.expert_major, ctx.accumulate = group, rank, handle, expert_major, accumulate
+        ctx.save_for_backward(y, received_weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out):
+        y, received_weights = ctx.saved_tensors
+        dy, dw = ctx.group._combine_backward(ctx.rank, ctx.handle, ctx.expert_major, g_out, y, received_weights,
+                                             ctx.needs_input_grad[4], ctx.needs_input_grad[5])
+        return None, None, None, None, dy, dw, g_out if ctx.accumulate else None, None
 
 
 class Handle(NamedTuple):
@@ -143,6 +224,12 @@ class Handle(NamedTuple):
     memory: Tensor
     tokens: int
     expert_major: bool
+    # For gradients (docs/design.md section 7): the source's routing, which the backward's
+    # dispatch of the output gradient reuses, and the received weights [max_recv_rows, K] that
+    # combine applies (the dispatch's topk_weights output, through which their gradient flows).
+    source_ids: Optional[Tensor] = None
+    source_weights: Optional[Tensor] = None
+    received_weights: Optional[Tensor] = None
 
     @property
     def valid(self) -> bool:
@@ -340,10 +427,16 @@ class _Group:
             _need_tensor(op, name, t, optional)
         if reuse and not (isinstance(handle, Handle) and handle.valid):
             raise ValueError(f"{op}: argument 'handle': reuse needs the Handle of an earlier dispatch of this group")
-        kernel = _eager_kernel(_ep_dispatch, x, topk_ids, topk_weights, scales) or torch.ops.switchyard.ep_dispatch
-        outs = kernel(self._state, self.group_id, rank, x, topk_ids, topk_weights, scales, bool(expert_major),
-                      handle.memory if reuse else None)
-        h = Handle(handle.memory if reuse else outs[_OUT_HANDLE], x.shape[0], bool(expert_major))
+        reuse_memory = handle.memory if reuse else None
+        if _records_grad(x, topk_weights):
+            outs = _EpDispatchGrad.apply(self, rank, x, topk_ids, topk_weights, scales, bool(expert_major),
+                                         reuse_memory)
+        else:
+            kernel = _eager_kernel(_ep_dispatch, x, topk_ids, topk_weights, scales) or torch.ops.switchyard.ep_dispatch
+            outs = kernel(self._state, self.group_id, rank, x, topk_ids, topk_weights, scales, bool(expert_major),
+                          reuse_memory)
+        h = Handle(handle.memory if reuse else outs[_OUT_HANDLE], x.shape[0], bool(expert_major), topk_ids,
+                   topk_weights.detach(), outs[_OUT_WEIGHTS])
         return GpuDispatched(self, rank, outs, bool(expert_major), h)
 
     def combine(self, rank: int, handle: Any, y: Tensor, *, expert_major: bool = True,
@@ -367,10 +460,88 @@ class _Group:
             if accumulate:
                 raise ValueError(f"{op}: argument 'accumulate': needs `out` (the tensor to add to)")
             out = y.new_empty((handle.tokens, self.hidden), dtype=out_dtype or y.dtype, device=self.device)
-        kernel = _eager_kernel(_ep_combine, y, out) or torch.ops.switchyard.ep_combine
-        kernel(self._state, self.group_id, rank, handle.memory, handle.tokens, handle.expert_major, y,
-               bool(expert_major), out, bool(accumulate))
+        if _records_grad(y, handle.received_weights, out if accumulate else None):
+            return _EpCombineGrad.apply(self, rank, handle, bool(expert_major), y, handle.received_weights, out,
+                                        bool(accumulate))
+        self._combine_call(rank, handle, y, bool(expert_major), out, bool(accumulate))
         return out
+
+    def _training_dtype(self, op: str) -> None:
+        if self._dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{op}: a group of {self._dtype} rows cannot carry gradients; build the training "
+                             "group with bfloat16, float16 or float32 rows")
+
+    def _dispatch_backward(self, rank: int, handle: Handle, g_x: Optional[Tensor], g_w: Optional[Tensor],
+                           g_expert_x: Optional[Tensor], x_dtype: torch.dtype, need_dx: bool,
+                           need_dw: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """(dx [T,H] in x's dtype, d topk_weights [T,K] fp32): one unweighted combine over the
+        dispatch's handle, which also brings the received weights' gradients back."""
+        op = f"ep dispatch backward (rank {rank})"
+        self._training_dtype(op)
+        T, H, K = handle.tokens, self.hidden, int(self._config.top_k)
+        dev = handle.memory.device
+        rows = self.max_expert_rows if handle.expert_major else self.max_recv_rows
+        g = g_expert_x if handle.expert_major else g_x
+        y = g.contiguous() if g is not None else torch.zeros(rows, H, dtype=self._dtype, device=dev)
+        values = None
+        if g_w is not None:
+            values = torch.zeros(self.max_recv_rows, K, dtype=torch.float32, device=dev)
+            values[: g_w.shape[0]] = g_w
+        extras = _CombineExtras(False, values,
+                                torch.empty(T, K, dtype=torch.float32, device=dev) if need_dw else None)
+        dx = torch.empty(T, H, dtype=x_dtype, device=dev)
+        self._combine_call(rank, handle, y, handle.expert_major, dx, False, extras)
+        if handle.expert_major and g_x is not None:
+            raise ValueError(f"{op}: a gradient reached the rank-major rows `x` of an expert-major dispatch; "
+                             "only expert_x and topk_weights carry gradients there (compute from expert_x)")
+        return (dx if need_dx else None), extras.pick_values_out
+
+    def _combine_backward(self, rank: int, handle: Handle, expert_major: bool, g_out: Tensor, y: Tensor,
+                          received_weights: Optional[Tensor], need_dy: bool,
+                          need_dw: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """(dy in y's shape and dtype, d received weights [max_recv_rows, K] fp32): a dispatch of
+        the output gradient reusing the handle, then the local products."""
+        op = f"ep combine backward (rank {rank})"
+        self._training_dtype(op)
+        if handle.source_ids is None:
+            raise ValueError(f"{op}: argument 'handle': it carries no routing (source_ids); pass the Handle "
+                             "a dispatch returned")
+        dout = g_out.to(self._dtype).contiguous()
+        src_w = handle.source_weights if handle.source_weights is not None else torch.zeros(
+            handle.source_ids.shape, dtype=torch.float32, device=dout.device)
+        outs = self._dispatch_call(rank, dout, handle.source_ids, src_w, None, handle.expert_major, handle, True)
+        if not expert_major:
+            dy = outs.x[: y.shape[0]].to(y.dtype)
+            return (dy if need_dy else None), None
+        rows = y.shape[0]
+        K = int(self._config.top_k)
+        d_rows = outs.expert_x[:rows].float()
+        p2x = outs.layout.permuted_to_expanded[:rows].long()
+        n_picks = received_weights.shape[0] * K
+        valid = ((torch.arange(rows, device=y.device) < outs.layout.totals[0]) & (p2x >= 0) & (p2x < n_picks))
+        pick = torch.where(valid, p2x, torch.zeros_like(p2x))
+        zero = torch.zeros((), dtype=torch.float32, device=y.device)
+        dy = dw = None
+        if need_dy:
+            w_row = torch.where(valid, received_weights.reshape(-1)[pick].float(), zero)
+            dy = torch.where(valid[:, None], d_rows * w_row[:, None], zero).to(y.dtype)
+        if need_dw:
+            dot = torch.where(valid, (d_rows * y.float()).sum(-1), zero)
+            flat = torch.zeros(n_picks + 1, dtype=torch.float32, device=y.device)
+            flat[torch.where(valid, p2x, torch.full_like(p2x, n_picks))] = dot  # distinct picks; the rest land at n_picks
+            dw = flat[:n_picks].view(received_weights.shape)
+        return dy, dw
+
+    def _combine_call(self, rank: int, handle: Handle, y: Tensor, expert_major: bool, out: Tensor,
+                      accumulate: bool, extras: "_CombineExtras" = None) -> None:
+        """The ep_combine op on checked arguments."""
+        extras = extras or _CombineExtras()
+        empty = out.new_empty((0,), dtype=torch.float32)
+        pick_values_out = extras.pick_values_out if extras.pick_values_out is not None else empty
+        kernel = (_eager_kernel(_ep_combine, y, out, extras.pick_values, pick_values_out)
+                  or torch.ops.switchyard.ep_combine)
+        kernel(self._state, self.group_id, rank, handle.memory, handle.tokens, handle.expert_major, y,
+               expert_major, out, accumulate, bool(extras.weighted), extras.pick_values, pick_values_out)
 
 
 class CpuGroup(_Group):
@@ -435,13 +606,14 @@ class CpuGroup(_Group):
         return outs
 
     def _combine_impl(self, rank: int, memory: Tensor, tokens: int, dispatch_expert_major: bool, y: Tensor,
-                      expert_major: bool, out: Tensor, accumulate: bool) -> None:
+                      expert_major: bool, out: Tensor, accumulate: bool, extras: "_CombineExtras") -> None:
         op = f"ep combine (rank {rank})"
         plan = self._plan(op, memory)
         ci = _ext.EpCombineInputs()
         ci.expert_major = bool(expert_major)
         y = self._padded_y(y, expert_major)
         ci.y = _view(op, "y", y)
+        extras.apply(op, ci)
         check_status(self._group.combine(int(rank), plan, ci, _view(op, "out", out), bool(accumulate)))
 
 
@@ -586,7 +758,7 @@ class _GpuGroupBase(_Group):
         return outs
 
     def _combine_impl(self, rank: int, memory: Tensor, tokens: int, dispatch_expert_major: bool, y: Tensor,
-                      expert_major: bool, out: Tensor, accumulate: bool) -> None:
+                      expert_major: bool, out: Tensor, accumulate: bool, extras: "_CombineExtras") -> None:
         op = f"ep combine (rank {rank})"
         deferred = self._admit("combine", rank)
         with torch.cuda.device(self.device):
@@ -595,10 +767,11 @@ class _GpuGroupBase(_Group):
             ci = _ext.EpCombineInputs()
             ci.expert_major = bool(expert_major)
             ci.y = _view(op, "y", y)
+            extras.apply(op, ci)
             out_view = _view(op, "out", out)
             self._begin(op, "combine", rank, memory)
             status = self._enqueue(rank, lambda s: self._group.combine(rank, h, ci, out_view, bool(accumulate), s),
-                                   [y, out, memory])
+                                   [y, out, memory, extras.pick_values, extras.pick_values_out])
         self._finish(status, adopted, deferred)
 
     def _adopt(self, op: str, rank: int, memory: Optional[Tensor], tokens: int, expert_major: bool) -> Tuple[Any, Any]:

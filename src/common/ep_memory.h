@@ -29,9 +29,10 @@ constexpr std::int64_t align_up(std::int64_t v, std::int64_t a) { return (v + a 
 //   slot_meta           [R][max_tokens][meta_ints] int32: source token, j (the row's position
 //                       among the token's destination ranks), K local ids, K weights (fp32 bits)
 //   partials            [partial_slots = min(R, K)][max_tokens][H] partial dtype
+//   partial_values      [partial_slots][max_tokens][K] fp32 (CombineInputs::pick_values)
 struct RegionOffsets {
   std::int64_t dispatch_header = 0, dispatch_ack = 0, combine_flag = 0, combine_ack = 0;
-  std::int64_t slot_rows = 0, slot_scales = 0, slot_meta = 0, partials = 0, total = 0;
+  std::int64_t slot_rows = 0, slot_scales = 0, slot_meta = 0, partials = 0, partial_values = 0, total = 0;
   std::int64_t row_bytes = 0;   // H * element size
   std::int64_t row_stride = 0;  // row_bytes rounded up to 16
   int meta_ints = 0;            // 2 + 2K
@@ -59,6 +60,7 @@ inline RegionOffsets region_offsets(const GroupConfig& c) {
   o.slot_scales = take(R * T * c.scale_cols * 4);
   o.slot_meta = take(R * T * o.meta_ints * 4);
   o.partials = take(o.partial_slots * T * c.hidden * static_cast<std::int64_t>(dtype_size(c.partial_dtype)));
+  o.partial_values = take(o.partial_slots * T * K * 4);
   o.total = at;
   return o;
 }

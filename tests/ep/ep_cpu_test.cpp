@@ -722,14 +722,45 @@ Outs make_outs(const World& w, DType dtype, bool accumulate, std::mt19937_64& g)
   return o;
 }
 
+// The training extras of a combine (docs/design.md section 7): unweighted sums, and per-pick
+// values sent back (values[r] empty: rank r passes none; values_out[r] empty: it asks for none).
+struct Extras {
+  bool weighted = true;
+  std::vector<std::vector<float>> values;      // [R] of [N,K]
+  std::vector<std::vector<float>> values_out;  // [R] of [(T + kGuard), K], poisoned
+};
+
+// Random values for every rank but `silent` (which passes none), and poisoned outputs.
+Extras make_extras(const World& w, bool weighted, int silent, std::mt19937_64& g) {
+  Extras x;
+  x.weighted = weighted;
+  const int K = w.cfg.top_k;
+  for (int r = 0; r < w.c.R; ++r) {
+    std::vector<float> v;
+    if (r != silent) {
+      v.resize(static_cast<std::size_t>(w.want[r].N * K));
+      for (float& f : v) f = random_value(DType::kFloat32, g);
+    }
+    x.values.push_back(std::move(v));
+    x.values_out.push_back(poisoned<float>(static_cast<std::size_t>((w.in[r].T + kGuard) * K)));
+  }
+  return x;
+}
+
 std::vector<Status> combine_all(World& w, const std::vector<ep::Handle>& handles, const std::vector<RankY>& ys,
-                                bool expert_major, Outs* outs, bool accumulate) {
+                                bool expert_major, Outs* outs, bool accumulate, Extras* extras = nullptr) {
   const std::int64_t H = w.cfg.hidden;
+  const std::int64_t K = w.cfg.top_k;
   std::vector<Status> st(w.c.R);
   ep::run_ranks(w.c.R, [&](int r) {
     ep::CombineInputs ci;
     ci.expert_major = expert_major;
     ci.y = ys[r].view(H);
+    if (extras != nullptr) {
+      ci.weighted = extras->weighted;
+      if (!extras->values[r].empty()) ci.pick_values = view_of(extras->values[r], DType::kFloat32, {w.want[r].N, K});
+      ci.pick_values_out = view_of(extras->values_out[r], DType::kFloat32, {w.in[r].T, K});
+    }
     const TensorView ov = TensorView::of(outs->data[r].data(), outs->dtype, {w.in[r].T, H}, Device::cpu());
     st[r] = w.group->combine(r, handles[r], ci, ov, accumulate);
     return st[r];
@@ -739,7 +770,7 @@ std::vector<Status> combine_all(World& w, const std::vector<ep::Handle>& handles
 
 // The reference, from each source token's point of view.
 Outs reference_combine(const World& w, const std::vector<RankY>& ys, bool expert_major, const Outs& initial,
-                       bool accumulate) {
+                       bool accumulate, bool weighted = true) {
   const int R = w.c.R, K = w.cfg.top_k;
   const std::int64_t H = w.cfg.hidden;
   Outs o = initial;
@@ -759,7 +790,8 @@ Outs reference_combine(const World& w, const std::vector<RankY>& ys, bool expert
             for (int k = 0; k < K; ++k) {
               if (d.ids[row * K + k] < 0) continue;
               const std::int64_t p = d.e2p[row * K + k];
-              partial = std::fmaf(d.w[row * K + k], load_as_float(y.dtype, y.data.data(), p * y.stride + h), partial);
+              const float wk = weighted ? d.w[row * K + k] : 1.0f;
+              partial = std::fmaf(wk, load_as_float(y.dtype, y.data.data(), p * y.stride + h), partial);
             }
           } else {
             partial = load_as_float(y.dtype, y.data.data(), row * y.stride + h);
@@ -806,18 +838,59 @@ bool check_combine(const World& w, const Outs& got, const Outs& want, const std:
   return ok;
 }
 
-// Runs one combine of every rank and checks it against the reference.
+// The pick values each source token gets back: per k, the sum over the ranks it went to in rank
+// order (a rank without values adds 0), 0 when sent nowhere; guard rows untouched.
+bool check_values(const World& w, const Extras& x, const std::string& what) {
+  const int K = w.cfg.top_k;
+  const std::vector<float> poison_row = poisoned<float>(static_cast<std::size_t>(K));
+  for (int s = 0; s < w.c.R; ++s) {
+    const std::vector<float>& got = x.values_out[s];
+    for (std::int64_t t = 0; t < w.in[s].T + kGuard; ++t) {
+      for (int k = 0; k < K; ++k) {
+        float want = 0.0f;
+        if (t >= w.in[s].T) {
+          want = poison_row[static_cast<std::size_t>(k)];
+        } else {
+          bool have = false;
+          for (int r = 0; r < w.c.R; ++r) {
+            const std::int64_t row = w.ref.row_of[r][s][t];
+            if (row < 0) continue;
+            const float v = x.values[r].empty() ? 0.0f : x.values[r][static_cast<std::size_t>(row * K + k)];
+            want = have ? want + v : v;
+            have = true;
+          }
+        }
+        const float g = got[static_cast<std::size_t>(t * K + k)];
+        if (std::memcmp(&g, &want, sizeof g) != 0) {
+          ADD_FAILURE() << what << ": rank " << s << " pick_values_out[" << t << "," << k << "]: got " << g
+                        << ", want " << want << (t >= w.in[s].T ? " (guard row past T: must be untouched)" : "");
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// Runs one combine of every rank and checks it against the reference; with extras_seed >= 0 the
+// combine also sends pick values back (one rank passing none) and, expert-major, is unweighted.
 bool run_and_check_combine(World& w, bool expert_major, DType y_dtype, DType out_dtype, bool accumulate,
-                           std::int64_t y_stride_extra, std::mt19937_64& g) {
+                           std::int64_t y_stride_extra, std::mt19937_64& g, bool extras = false) {
   const std::string what = std::string("combine ") + (expert_major ? "expert-major" : "rank-major") +
                            " y=" + dname(y_dtype) + " out=" + dname(out_dtype) +
-                           " accumulate=" + std::to_string(accumulate);
+                           " accumulate=" + std::to_string(accumulate) + (extras ? " unweighted, pick values" : "");
   SCOPED_TRACE(what);
   const std::vector<RankY> ys = make_y(w, expert_major, y_dtype, y_stride_extra, g);
   const Outs initial = make_outs(w, out_dtype, accumulate, g);
   Outs got = initial;
-  if (!all_ok(combine_all(w, w.handles, ys, expert_major, &got, accumulate), "combine")) return false;
-  return check_combine(w, got, reference_combine(w, ys, expert_major, initial, accumulate), what);
+  Extras x;
+  if (extras) x = make_extras(w, /*weighted=*/false, static_cast<int>(g() % w.c.R), g);
+  if (!all_ok(combine_all(w, w.handles, ys, expert_major, &got, accumulate, extras ? &x : nullptr), "combine")) {
+    return false;
+  }
+  const bool rows_ok =
+      check_combine(w, got, reference_combine(w, ys, expert_major, initial, accumulate, !extras), what);
+  return (!extras || check_values(w, x, what)) && rows_ok;
 }
 
 // One full case: dispatch, checks, rank-major combine, and expert-major combine when the
@@ -829,6 +902,9 @@ void run_case(const Case& c, std::uint64_t seed) {
   std::mt19937_64 g(seed ^ 0x9e3779b97f4a7c15ull);
   run_and_check_combine(w, false, c.y_dtype, c.out_dtype, c.accumulate, c.y_stride_extra, g);
   if (c.expert_major) run_and_check_combine(w, true, c.y_dtype, c.out_dtype, c.accumulate, c.y_stride_extra, g);
+  // The backward pass's combine (docs/design.md section 7): unweighted, with pick values.
+  run_and_check_combine(w, c.expert_major, c.y_dtype, c.out_dtype, c.accumulate, c.y_stride_extra, g,
+                        /*extras=*/true);
 }
 
 constexpr DType kRowDtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32, DType::kFloat8E4M3};

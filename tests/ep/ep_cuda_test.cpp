@@ -61,6 +61,7 @@ struct Case {
   DType partial = DType::kFloat32;
   std::vector<std::int64_t> T;  // tokens per rank; empty: random with 0 and max_tokens forced
   bool finite_x = false;        // x holds finite values (else random bytes, NaN patterns included)
+  bool training = false;        // combine unweighted, with pick values (rank 0 passes none)
 };
 
 std::string describe(const Case& c) {
@@ -69,7 +70,7 @@ std::string describe(const Case& c) {
      << " dtype=" << switchyard::dtype_name(c.dtype) << " scale_cols=" << c.scale_cols << " M=" << c.M
      << " expert_major=" << c.expert_major << " ids64=" << c.ids64 << " routing=" << static_cast<int>(c.routing)
      << " y=" << switchyard::dtype_name(c.y_dtype) << " out=" << switchyard::dtype_name(c.out_dtype)
-     << " accumulate=" << c.accumulate << " partial=" << switchyard::dtype_name(c.partial);
+     << " accumulate=" << c.accumulate << " partial=" << switchyard::dtype_name(c.partial) << " training=" << c.training;
   return os.str();
 }
 
@@ -141,6 +142,7 @@ struct RankData {
   DeviceBuffer handle_memory;
   ep::Handle cpu_handle, gpu_handle;
   Twin y, out;  // combine
+  Twin values, values_out;  // combine's pick values [N,K] and what comes back [T,K]
 
   ep::DispatchInputs in(const ep::GroupConfig& c, bool dev) const {
     ep::DispatchInputs v;
@@ -244,6 +246,8 @@ struct World {
       const std::int64_t yrows = c.expert_major ? P : N;
       d.y = Twin(c.y_dtype, {yrows, H}, 0, H + c.y_stride_extra);
       d.out = Twin(c.out_dtype, {mt, H}, kGuard);
+      d.values = Twin(DType::kFloat32, {N, K});
+      d.values_out = Twin(DType::kFloat32, {mt, K}, kGuard);
     }
   }
   ~World() {
@@ -365,6 +369,9 @@ struct World {
       } else {
         d.out.poison();
       }
+      for (std::size_t i = 0; i < d.values.host.size() / 4; ++i) d.values.as<float>()[i] = n(g);
+      d.values.upload();
+      d.values_out.poison();
     }
   }
 
@@ -382,6 +389,12 @@ struct World {
     ep::CombineInputs in;
     in.expert_major = c.expert_major;
     in.y = ranks[r].y.view(dev);
+    if (c.training) {
+      in.weighted = false;
+      if (r != 0) in.pick_values = ranks[r].values.view(dev);
+      in.pick_values_out = ranks[r].values_out.view(dev);
+      in.pick_values_out.shape[0] = ranks[r].T;
+    }
     return in;
   }
   TensorView out_view(int r, bool dev) const {
@@ -404,7 +417,10 @@ struct World {
   }
 
   void compare_combine() {
-    for (int r = 0; r < c.R; ++r) same("rank " + std::to_string(r) + " combine out", ranks[r].out);
+    for (int r = 0; r < c.R; ++r) {
+      same("rank " + std::to_string(r) + " combine out", ranks[r].out);
+      if (c.training) same("rank " + std::to_string(r) + " combine pick_values_out", ranks[r].values_out);
+    }
   }
 
   // One full dispatch + combine round checked against the CPU group.
@@ -461,6 +477,13 @@ std::vector<Case> sweep_cases() {
     o.partial = DType::kBFloat16;
     o.K = std::min(8, R * 3);
     v.push_back(o);
+    Case t = b;  // a training backward's combine: unweighted, pick values sent back
+    t.training = true;
+    t.y_dtype = DType::kBFloat16;
+    v.push_back(t);
+    Case tr = a;  // the same after a rank-major dispatch
+    tr.training = true;
+    v.push_back(tr);
   }
   Case z;  // zero tokens everywhere
   z.R = 3;

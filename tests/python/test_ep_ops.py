@@ -37,7 +37,14 @@ def opcheck_both(group, x, ids, w):
     y = torch.randn(d.expert_x.shape, generator=torch.Generator().manual_seed(3)).to(x.device)
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     torch.library.opcheck(torch.ops.switchyard.ep_combine.default,
-                          (group._state, group.group_id, 0, d.handle.memory, x.shape[0], True, y, True, out, False))
+                          (group._state, group.group_id, 0, d.handle.memory, x.shape[0], True, y, True, out, False,
+                           True, None, out.new_empty(0)))
+    # The training form: unweighted, with pick values sent back.
+    K = ids.shape[1]
+    values = torch.randn(group.max_recv_rows, K, generator=torch.Generator().manual_seed(4)).to(x.device)
+    torch.library.opcheck(torch.ops.switchyard.ep_combine.default,
+                          (group._state, group.group_id, 0, d.handle.memory, x.shape[0], True, y, True, out, False,
+                           False, values, out.new_empty(x.shape[0], K)))
 
 
 def test_opcheck_on_cpu_group():

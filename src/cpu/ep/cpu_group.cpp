@@ -72,6 +72,7 @@ struct CpuGroup::State {
   std::vector<char> reuse;
   std::shared_ptr<Handle::Plan> plan;       // being built by this dispatch
   std::vector<std::vector<float>> partial;  // [R] each rank's partial rows (combine)
+  std::vector<std::vector<float>> partial_values;  // [R] each rank's pick values [rows,K] (combine)
 
   // Waits until every rank has arrived at this barrier (`step` names it), for at most the
   // group's timeout. `on_last` runs under the lock in the last rank to arrive.
@@ -153,6 +154,7 @@ Status CpuGroup::create(const GroupConfig& config, std::unique_ptr<CpuGroup>* gr
   s->posted_plan.assign(R, nullptr);
   s->reuse.assign(R, 0);
   s->partial.assign(R, std::vector<float>());
+  s->partial_values.assign(R, std::vector<float>());
   group->reset(new CpuGroup(std::move(s)));
   return Status::Ok();
 }
@@ -406,6 +408,13 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
     const std::int64_t rows = in.expert_major ? max_expert_rows(c) : max_recv_rows(c);
     own = check.tensor(in.y, "in.y", float_types, {rows, H}, cpu, Contiguity::kRowStrided);
     if (own.ok()) own = check.tensor(out, "out", float_types, {handle.plan->ranks[rank].tokens, H}, cpu);
+    if (own.ok() && in.pick_values.data != nullptr) {
+      own = check.tensor(in.pick_values, "in.pick_values", {DType::kFloat32}, {max_recv_rows(c), K}, cpu);
+    }
+    if (own.ok() && in.pick_values_out.data != nullptr) {
+      own = check.tensor(in.pick_values_out, "in.pick_values_out", {DType::kFloat32},
+                         {handle.plan->ranks[rank].tokens, K}, cpu);
+    }
   }
   {
     std::lock_guard<std::mutex> lock(s.mu);
@@ -430,6 +439,12 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
   const std::int64_t rows = static_cast<std::int64_t>(mine.src_rank.size());
   std::vector<float>& partial = s.partial[rank];
   partial.assign(static_cast<std::size_t>(rows * H), 0.0f);
+  std::vector<float>& values = s.partial_values[rank];
+  values.assign(static_cast<std::size_t>(rows * K), 0.0f);
+  if (in.pick_values.data != nullptr) {
+    const auto* v = static_cast<const float*>(in.pick_values.data);
+    std::copy(v, v + rows * K, values.begin());
+  }
   const std::int64_t y_stride = in.y.strides[0];
   for (std::int64_t i = 0; i < rows; ++i) {
     float* acc = partial.data() + i * H;
@@ -437,7 +452,7 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
       for (int k = 0; k < K; ++k) {
         const std::int32_t p = mine.expanded_to_permuted[static_cast<std::size_t>(i * K + k)];
         if (p < 0) continue;  // a pick on another rank (or none)
-        const float w = mine.weights[static_cast<std::size_t>(i * K + k)];
+        const float w = in.weighted ? mine.weights[static_cast<std::size_t>(i * K + k)] : 1.0f;
         for (std::int64_t h = 0; h < H; ++h) {
           acc[h] = std::fmaf(w, load_value(in.y.data, in.y.dtype, p * y_stride + h), acc[h]);
         }
@@ -471,6 +486,21 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t o = t * H + h;
       store_value(out.data, out.dtype, o, accumulate ? sum[h] + load_value(out.data, out.dtype, o) : sum[h]);
+    }
+    if (in.pick_values_out.data != nullptr) {
+      float* vo = static_cast<float*>(in.pick_values_out.data) + t * K;
+      for (int k = 0; k < K; ++k) {
+        float v = 0.0f;
+        bool first = true;
+        for (int d = 0; d < R; ++d) {
+          const std::int32_t r = mine.dest_row[static_cast<std::size_t>(t * R + d)];
+          if (r < 0) continue;
+          const float pv = s.partial_values[d][static_cast<std::size_t>(static_cast<std::int64_t>(r) * K + k)];
+          v = first ? pv : v + pv;
+          first = false;
+        }
+        vo[k] = v;
+      }
     }
   }
   // 4. Nobody may overwrite the partials while a peer still reads them.

@@ -703,8 +703,10 @@ struct CombineSendParams {
   Ctx c;
   bool bad = false;
   bool expert_major = true;
+  bool weighted = true;
   const void* y = nullptr;
   std::int64_t y_row_stride = 0;  // elements
+  const float* pick_values = nullptr;  // [N,K] or null (zeros are sent)
   const char* handle = nullptr;
 };
 
@@ -742,8 +744,12 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(CombineSendParam
     const std::int64_t H = s.H;
     for (int i = warp_id; i < total; i += gridDim.x * kWarps) {
       const int src = row_src[i];
-      P* dst = reinterpret_cast<P*>(c.peers[src] + s.region.partials) +
-               (static_cast<std::int64_t>(row_j[i]) * s.max_tokens + row_token[i]) * H;
+      const std::int64_t slot = static_cast<std::int64_t>(row_j[i]) * s.max_tokens + row_token[i];
+      P* dst = reinterpret_cast<P*>(c.peers[src] + s.region.partials) + slot * H;
+      float* dst_values = reinterpret_cast<float*>(c.peers[src] + s.region.partial_values) + slot * K;
+      for (int k = lane; k < K; k += 32) {
+        dst_values[k] = p.pick_values ? p.pick_values[static_cast<std::int64_t>(i) * K + k] : 0.0f;
+      }
       for (std::int64_t col = static_cast<std::int64_t>(lane) * kVec; col < H; col += 32 * kVec) {
         float acc[kVec];
         if (p.expert_major) {
@@ -752,7 +758,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(CombineSendParam
           for (int k = 0; k < K; ++k) {
             const int row = row_e2p[static_cast<std::int64_t>(i) * K + k];
             if (row < 0) continue;
-            const float w = row_w[static_cast<std::int64_t>(i) * K + k];
+            const float w = p.weighted ? row_w[static_cast<std::int64_t>(i) * K + k] : 1.0f;
             const Pack<Y, kVec> in = *reinterpret_cast<const Pack<Y, kVec>*>(y + row * p.y_row_stride + col);
 #pragma unroll
             for (int v = 0; v < kVec; ++v) acc[v] = __fmaf_rn(w, YF::to_float(in.v[v]), acc[v]);
@@ -785,6 +791,7 @@ struct CombineReceiveParams {
   int tokens = 0;
   const char* handle = nullptr;
   void* out = nullptr;  // [T, H] contiguous
+  float* pick_values_out = nullptr;  // [T, K] or null
 };
 
 template <typename PF, typename OF, int kVec>
@@ -822,8 +829,20 @@ __global__ void __launch_bounds__(kThreads) combine_receive_kernel(CombineReceiv
   O* out = static_cast<O*>(p.out);
   const int lane = threadIdx.x & 31;
   const int warp_id = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const float* values = reinterpret_cast<const float*>(c.peers[c.rank] + s.region.partial_values);
+  const int K = s.K;
   for (int t = warp_id; t < p.tokens; t += gridDim.x * kWarps) {
     const int nd = n_dest[t];
+    if (p.pick_values_out) {
+      for (int k = lane; k < K; k += 32) {
+        float v = 0.0f;
+        for (int j = 0; j < nd; ++j) {
+          const float in = load_cg(values + (static_cast<std::int64_t>(j) * s.max_tokens + t) * K + k);
+          v = j == 0 ? in : v + in;
+        }
+        p.pick_values_out[static_cast<std::int64_t>(t) * K + k] = v;
+      }
+    }
     for (std::int64_t col = static_cast<std::int64_t>(lane) * kVec; col < H; col += 32 * kVec) {
       float sum[kVec];
 #pragma unroll

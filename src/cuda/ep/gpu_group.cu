@@ -718,6 +718,13 @@ Status GpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
       own = checker.tensor(out, "out", {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
                            {handle.plan->gpu.tokens, H}, dev);
     }
+    if (own.ok() && in.pick_values.data != nullptr) {
+      own = checker.tensor(in.pick_values, "in.pick_values", {DType::kFloat32}, {max_recv_rows(c), c.top_k}, dev);
+    }
+    if (own.ok() && in.pick_values_out.data != nullptr) {
+      own = checker.tensor(in.pick_values_out, "in.pick_values_out", {DType::kFloat32},
+                           {handle.plan->gpu.tokens, c.top_k}, dev);
+    }
   }
   const bool bad = !own.ok();
   rk.last_stream = stream;
@@ -735,9 +742,11 @@ Status GpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
   sp.c = rk.ctx;
   sp.bad = bad;
   sp.expert_major = in.expert_major;
+  sp.weighted = in.weighted;
   if (!bad) {
     sp.y = in.y.data;
     sp.y_row_stride = in.y.strides[0];
+    sp.pick_values = static_cast<const float*>(in.pick_values.data);
     sp.handle = hmem;
   }
   const DType y_dtype = bad ? DType::kFloat32 : in.y.dtype;
@@ -764,6 +773,7 @@ Status GpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
     rp.tokens = static_cast<int>(handle.plan->gpu.tokens);
     rp.handle = hmem;
     rp.out = out.data;
+    rp.pick_values_out = static_cast<float*>(in.pick_values_out.data);
   }
   SY_RETURN_IF_ERROR(with_format(out_dtype, [&](auto of) {
     using OF = decltype(of);

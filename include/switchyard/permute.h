@@ -39,4 +39,26 @@ Status gather(const TensorView& x, const TensorView& x_scales, const Layout& lay
 Status combine(const TensorView& y_perm, const Layout& layout, const TensorView& topk_weights,
                const TensorView& out, bool accumulate = false, Stream stream = nullptr);
 
+// combine_backward: combine's gradients from grad_out = d loss / d out (docs/design.md section 7).
+//   grad_y_perm[p]   = cast(w[t,k] * grad_out[t]) (one fp32 product; w = 1 without topk_weights)
+//                      for the row p = expanded_to_permuted[t,k] of each placed pick, and 0 on
+//                      every other row p < R (padding and unused rows); rows >= R untouched.
+//   grad_weights[t,k] = <grad_out[t], y_perm[p]>, an fp32 sum of fp32 products for a placed
+//                      pick, 0 for the others. The CPU sums in column order with fma; the CUDA
+//                      kernel in a fixed tree (the same bits run to run; within fp32 rounding of
+//                      the sum of |products| of the CPU's).
+// No atomics: every output element has one writer.
+//   grad_out      [T,H] bf16, fp16 or fp32; any row stride >= H.
+//   y_perm        [>= R, H] bf16, fp16 or fp32; any row stride >= H; needed with grad_weights.
+//   layout        a Layout filled by layout(); uses expanded_to_permuted [T,K] and
+//                 permuted_to_token [R] (combine's arrays; rows with a token outside [0, T)
+//                 hold no pick).
+//   topk_weights  optional [T,K] fp32 or bf16, contiguous (combine's weights).
+//   grad_y_perm   optional [>= R, H] bf16, fp16 or fp32 (y_perm's dtype when both are given),
+//                 contiguous.
+//   grad_weights  optional [T,K] fp32, contiguous.
+Status combine_backward(const TensorView& grad_out, const TensorView& y_perm, const Layout& layout,
+                        const TensorView& topk_weights, const TensorView& grad_y_perm,
+                        const TensorView& grad_weights, Stream stream = nullptr);
+
 }  // namespace switchyard

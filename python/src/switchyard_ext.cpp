@@ -230,6 +230,14 @@ NB_MODULE(_ext, m) {
         return combine(y_perm, layout, topk_weights, out, accumulate, as_stream(stream));
       },
       "y_perm"_a, "layout"_a, "topk_weights"_a, "out"_a, "accumulate"_a, "stream"_a, release());
+  m.def(
+      "combine_backward",
+      [](const TensorView& grad_out, const TensorView& y_perm, const Layout& layout, const TensorView& topk_weights,
+         const TensorView& grad_y_perm, const TensorView& grad_weights, std::uintptr_t stream) {
+        return combine_backward(grad_out, y_perm, layout, topk_weights, grad_y_perm, grad_weights, as_stream(stream));
+      },
+      "grad_out"_a, "y_perm"_a, "layout"_a, "topk_weights"_a, "grad_y_perm"_a, "grad_weights"_a, "stream"_a,
+      release());
 
   // Expert parallelism (ep.h): the CPU reference group. Its collective calls block until every
   // rank has arrived, so they release the GIL: each rank is a Python thread.

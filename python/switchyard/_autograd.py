@@ -2,14 +2,15 @@
 torch.library.register_autograd on the functional ops, so that switchyard.route,
 route_and_layout, gather and combine sit on the autograd tape, eagerly and under torch.compile.
 
-No new kernel: every backward is either Switchyard's own combine (which exists on CPU and CUDA)
-or a few torch ops on the layout's index arrays, chosen so that no result depends on the order
-of atomic updates (gathers, reductions along a dimension, scatters to distinct indices):
+gather's and combine's backward are Switchyard kernels (CPU and CUDA, the library's contract:
+caller-owned memory, CUDA-graph capture, no atomics); route's is a few torch ops on [T,E]
+arrays, chosen so that no result depends on the order of atomic updates:
 
   gather    x_perm[p] = x[token(p)]
             dx[t] = sum over placed k of dx_perm[expanded_to_permuted[t,k]], in k order
             (switchyard combine without weights). dtype of x. An fp8 x has no gradient.
   combine   out[t] = sum_k w[t,k] y_perm[row(t,k)]
+            Switchyard's combine_backward (permute.h; CPU and CUDA):
             dy_perm[p] = w[t,k] * dout[t] for the pick (t,k) at row p, 0 on padding and unused
             rows (a weighted gather, product in fp32, stored in y_perm's dtype);
             dw[t,k] = <dout[t], y_perm[row(t,k)]> in fp32, 0 for unplaced picks, stored in
@@ -19,14 +20,12 @@ of atomic updates (gathers, reductions along a dimension, scatters to distinct i
             piecewise constant and passes no gradient; the bias gets none. Logits that are not
             finite, and picks whose selection score is not finite (weight 0), get gradient 0.
 
-The torch formulas stand in for backward kernels with the library's contract (caller-owned
-memory, CUDA-graph capture); dedicated kernels can replace them behind the same registration.
+A dedicated route backward kernel can replace its torch formula behind the same registration.
 """
 
 from typing import Any, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 # The integer values of PreFn / PostFn carried by the ops' schemas (include/switchyard/routing.h).
@@ -231,43 +230,6 @@ def _gather_scaled_backward(ctx: Any, grad: Optional[Tensor], grad_scales: Optio
 # ----------------------------------------------------------------------------- combine
 
 
-def combine_grad_y_perm(grad_out: Tensor, expanded_to_permuted: Tensor, permuted_to_token: Tensor,
-                        weights: Optional[Tensor], num_rows: Any, dtype: torch.dtype) -> Tensor:
-    """dy_perm [num_rows, H]: row p holding pick (t,k) gets weights[t,k] * grad_out[t] (the
-    product in fp32), every other row 0. A gather by row: each row finds its k by comparing
-    expanded_to_permuted[t] with p, so no two rows write the same place."""
-    num_tokens, hidden = grad_out.shape[0], grad_out.shape[1]
-    layout_rows = permuted_to_token.shape[0]
-    if num_tokens == 0 or layout_rows == 0:
-        return grad_out.new_zeros((num_rows, hidden), dtype=dtype)
-    tokens = permuted_to_token.long()
-    holds_token = (tokens >= 0) & (tokens < num_tokens)  # padding and unused rows hold T
-    tokens = torch.where(holds_token, tokens, torch.zeros_like(tokens))
-    rows = torch.arange(layout_rows, device=tokens.device)
-    is_pick = (expanded_to_permuted.long()[tokens] == rows[:, None]) & holds_token[:, None]  # [rows, K]
-    if weights is None:
-        coef = is_pick.any(-1).to(torch.float32)
-    else:
-        w = weights.to(torch.float32)[tokens]
-        coef = torch.where(is_pick, w, torch.zeros_like(w)).sum(-1)  # one term at most: exact
-    dy = grad_out.to(torch.float32)[tokens] * coef[:, None]
-    dy = torch.where(is_pick.any(-1)[:, None], dy, torch.zeros_like(dy)).to(dtype)
-    if num_rows != layout_rows:  # y_perm may have more rows than the layout's capacity
-        dy = F.pad(dy, (0, 0, 0, num_rows - layout_rows))
-    return dy
-
-
-def combine_grad_weights(grad_out: Tensor, y_perm: Tensor, expanded_to_permuted: Tensor,
-                         dtype: torch.dtype) -> Tensor:
-    """dw[t,k] = <grad_out[t], y_perm[expanded_to_permuted[t,k]]> in fp32, 0 where not placed."""
-    num_tokens, top_k = expanded_to_permuted.shape[0], expanded_to_permuted.shape[1]
-    placed = expanded_to_permuted >= 0
-    rows = torch.where(placed, expanded_to_permuted, torch.zeros_like(expanded_to_permuted)).long()
-    picked = y_perm[rows.reshape(-1)].to(torch.float32).reshape(num_tokens, top_k, -1)
-    dots = (picked * grad_out.to(torch.float32)[:, None, :]).sum(-1)
-    return torch.where(placed, dots, torch.zeros_like(dots)).to(dtype)
-
-
 def _combine_setup(ctx: Any, inputs: Tuple[Any, ...], output: Tensor) -> None:
     # switchyard::combine(y_perm, expanded_to_permuted, permuted_to_token, weights) -> out
     y_perm, expanded_to_permuted, permuted_to_token, weights = inputs
@@ -278,12 +240,13 @@ def _combine_setup(ctx: Any, inputs: Tuple[Any, ...], output: Tensor) -> None:
 def _combine_backward(ctx: Any, grad: Tensor):
     y_perm, expanded_to_permuted, permuted_to_token, weights = ctx.saved_tensors
     grad_y = grad_w = None
-    if grad is not None:
-        if ctx.needs_input_grad[0]:
-            grad_y = combine_grad_y_perm(grad, expanded_to_permuted, permuted_to_token, weights, ctx.y_rows,
-                                         ctx.y_dtype)
-        if weights is not None and ctx.needs_input_grad[3]:
-            grad_w = combine_grad_weights(grad, y_perm, expanded_to_permuted, weights.dtype)
+    need_dy = bool(ctx.needs_input_grad[0])
+    need_dw = weights is not None and bool(ctx.needs_input_grad[3])
+    if grad is not None and (need_dy or need_dw):
+        dy, dw = torch.ops.switchyard.combine_backward(grad.contiguous(), y_perm, expanded_to_permuted,
+                                                       permuted_to_token, weights, need_dy, need_dw)
+        grad_y = dy if need_dy else None
+        grad_w = dw.to(weights.dtype) if need_dw else None
     return grad_y, None, None, grad_w
 
 

@@ -203,7 +203,8 @@ class _EpCombineGrad(torch.autograd.Function):
     def forward(ctx, group, rank, handle, expert_major, y, received_weights, out, accumulate):
         group._combine_call(rank, handle, y, expert_major, out, accumulate)
         ctx.mark_dirty(out)
-        ctx.group, ctx.rank, ctx.handle, ctx.expert_major, ctx.accumulate = group, rank, handle, expert_major, accumulate
+        ctx.group, ctx.rank, ctx.handle = group, rank, handle
+        ctx.expert_major, ctx.accumulate = expert_major, accumulate
         ctx.save_for_backward(y, received_weights)
         return out
 
@@ -528,7 +529,8 @@ class _Group:
         if need_dw:
             dot = torch.where(valid, (d_rows * y.float()).sum(-1), zero)
             flat = torch.zeros(n_picks + 1, dtype=torch.float32, device=y.device)
-            flat[torch.where(valid, p2x, torch.full_like(p2x, n_picks))] = dot  # distinct picks; the rest land at n_picks
+            # Each pick has one row; every other row lands on the extra slot n_picks.
+            flat[torch.where(valid, p2x, torch.full_like(p2x, n_picks))] = dot
             dw = flat[:n_picks].view(received_weights.shape)
         return dy, dw
 

@@ -507,6 +507,39 @@ def _(y_perm, expanded_to_permuted, permuted_to_token, weights):
     return y_perm.new_empty((_rows_2d(expanded_to_permuted), _cols_2d(y_perm)))
 
 
+@torch.library.custom_op("switchyard::combine_backward", mutates_args=())
+def _combine_backward_op(grad_out: Tensor, y_perm: Tensor, expanded_to_permuted: Tensor, permuted_to_token: Tensor,
+                         weights: Optional[Tensor], need_dy: bool, need_dw: bool) -> Tuple[Tensor, Tensor]:
+    """combine's gradients (permute.h combine_backward): dy_perm in y_perm's shape and dtype (rows
+    past the layout's capacity 0) and dw [T,K] fp32; each is empty [0, ...] when not asked."""
+    op = "combine_backward"
+    dy, dw = _combine_backward_shapes(grad_out, y_perm, expanded_to_permuted, need_dy, need_dw, torch.empty)
+    rows = permuted_to_token.shape[0]
+    layout = _ext.Layout()
+    layout.expanded_to_permuted = _view(op, "layout.expanded_to_permuted", expanded_to_permuted)
+    layout.permuted_to_token = _view(op, "layout.permuted_to_token", permuted_to_token)
+    _call(_ext.combine_backward, grad_out.device, _view(op, "grad_out", grad_out),
+          _view(op, "y_perm", y_perm if need_dw else None), layout, _view(op, "weights", weights),
+          _view(op, "grad_y_perm", dy[:rows] if need_dy else None), _view(op, "grad_weights", dw if need_dw else None),
+          rename=_COMBINE_NAMES)
+    if need_dy and dy.shape[0] > rows:
+        dy[rows:].zero_()
+    return dy, dw
+
+
+def _combine_backward_shapes(grad_out, y_perm, expanded_to_permuted, need_dy, need_dw, new):
+    rows, cols = y_perm.shape[0], y_perm.shape[1]
+    T, K = expanded_to_permuted.shape[0], expanded_to_permuted.shape[1]
+    return (new((rows if need_dy else 0, cols), dtype=y_perm.dtype, device=grad_out.device),
+            new((T if need_dw else 0, K), dtype=torch.float32, device=grad_out.device))
+
+
+@_combine_backward_op.register_fake
+def _(grad_out, y_perm, expanded_to_permuted, permuted_to_token, weights, need_dy, need_dw):
+    return _combine_backward_shapes(grad_out, y_perm, expanded_to_permuted, need_dy, need_dw,
+                                    lambda shape, dtype, device: grad_out.new_empty(shape, dtype=dtype))
+
+
 # ----------------------------------------------------------------------------- Python API
 
 

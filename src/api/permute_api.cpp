@@ -144,4 +144,73 @@ Status combine(const TensorView& y_perm, const Layout& layout, const TensorView&
   return cpu::combine(args);
 }
 
+Status combine_backward(const TensorView& grad_out, const TensorView& y_perm, const Layout& layout,
+                        const TensorView& topk_weights, const TensorView& grad_y_perm,
+                        const TensorView& grad_weights, Stream stream) {
+  const ArgChecker check("combine_backward");
+  const std::initializer_list<DType> floats = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+  SY_RETURN_IF_ERROR(
+      check.tensor(grad_out, "grad_out", floats, {kAnySize, kAnySize}, grad_out.device, Contiguity::kRowStrided));
+  const Device device = grad_out.device;
+  const std::int64_t T = grad_out.shape[0];
+  const std::int64_t H = grad_out.shape[1];
+  SY_RETURN_IF_ERROR(check.tensor(layout.expanded_to_permuted, "layout.expanded_to_permuted", {DType::kInt32},
+                                  {T, kAnySize}, device));
+  SY_RETURN_IF_ERROR(check.int32_array(layout.permuted_to_token, "layout.permuted_to_token", 0, device));
+  const std::int64_t K = layout.expanded_to_permuted.shape[1];
+  const std::int64_t R = layout.permuted_to_token.shape[0];
+  if (grad_y_perm.absent() && grad_weights.absent()) {
+    return check.fail_arg("grad_y_perm", "and grad_weights are both absent: nothing to compute");
+  }
+  if (!topk_weights.absent()) {
+    SY_RETURN_IF_ERROR(check.tensor(topk_weights, "topk_weights", {DType::kFloat32, DType::kBFloat16}, {T, K}, device));
+  }
+  if (!grad_y_perm.absent()) {
+    SY_RETURN_IF_ERROR(check.tensor(grad_y_perm, "grad_y_perm", floats, {kAnySize, H}, device));
+    if (grad_y_perm.shape[0] < R) {
+      return check.fail_arg("grad_y_perm", "has " + std::to_string(grad_y_perm.shape[0]) +
+                                               " rows, fewer than the layout's " + std::to_string(R));
+    }
+  }
+  if (!grad_weights.absent()) {
+    SY_RETURN_IF_ERROR(check.tensor(grad_weights, "grad_weights", {DType::kFloat32}, {T, K}, device));
+    if (y_perm.absent()) return check.fail_arg("y_perm", "is needed for grad_weights");
+    SY_RETURN_IF_ERROR(check.tensor(y_perm, "y_perm", floats, {kAnySize, H}, device, Contiguity::kRowStrided));
+    if (y_perm.shape[0] < R) {
+      return check.fail_arg("y_perm", "has " + std::to_string(y_perm.shape[0]) + " rows, fewer than the layout's " +
+                                          std::to_string(R));
+    }
+  }
+  if (!grad_y_perm.absent() && !grad_weights.absent() && grad_y_perm.dtype != y_perm.dtype) {
+    return check.fail_arg("grad_y_perm", std::string("must have y_perm's dtype (") + dtype_name(y_perm.dtype) + ")");
+  }
+  SY_RETURN_IF_ERROR(detail::backend_available("combine_backward", device));
+  detail::CombineBackwardArgs args;
+  args.num_tokens = T;
+  args.top_k = static_cast<int>(K);
+  args.hidden = H;
+  args.grad_out = grad_out.data;
+  args.grad_out_dtype = grad_out.dtype;
+  args.grad_out_row_stride = T > 1 ? grad_out.strides[0] : H;
+  if (!grad_weights.absent()) {
+    args.y_perm = y_perm.data;
+    args.y_dtype = y_perm.dtype;
+    args.y_row_stride = y_perm.shape[0] > 1 ? y_perm.strides[0] : H;
+  }
+  args.expanded_to_permuted = static_cast<const std::int32_t*>(layout.expanded_to_permuted.data);
+  args.permuted_to_token = static_cast<const std::int32_t*>(layout.permuted_to_token.data);
+  args.capacity_rows = R;
+  args.topk_weights = topk_weights.absent() ? nullptr : topk_weights.data;
+  args.weights_dtype = topk_weights.dtype;
+  args.grad_y_perm = grad_y_perm.absent() ? nullptr : grad_y_perm.data;
+  args.grad_y_dtype = grad_y_perm.absent() ? DType::kFloat32 : grad_y_perm.dtype;
+  args.grad_weights = static_cast<float*>(grad_weights.data);
+  if ((T == 0 || K == 0) && R == 0) return Status::Ok();
+#if defined(SWITCHYARD_WITH_CUDA)
+  if (device.is_cuda()) return cuda::combine_backward(args, stream);
+#endif
+  (void)stream;
+  return cpu::combine_backward(args);
+}
+
 }  // namespace switchyard

@@ -89,4 +89,24 @@ struct CombineArgs {
   bool accumulate = false;
 };
 
+struct CombineBackwardArgs {
+  std::int64_t num_tokens = 0;
+  int top_k = 0;
+  std::int64_t hidden = 0;
+  const void* grad_out = nullptr;  // [T,H]
+  DType grad_out_dtype = DType::kBFloat16;
+  std::int64_t grad_out_row_stride = 0;  // elements
+  const void* y_perm = nullptr;  // [>= R, H]; with grad_weights
+  DType y_dtype = DType::kBFloat16;
+  std::int64_t y_row_stride = 0;  // elements
+  const std::int32_t* expanded_to_permuted = nullptr;  // [T,K]; entries outside [0, R) are not placed
+  const std::int32_t* permuted_to_token = nullptr;     // [R]; entries outside [0, T) hold no pick
+  std::int64_t capacity_rows = 0;                      // R
+  const void* topk_weights = nullptr;                  // optional [T,K]
+  DType weights_dtype = DType::kFloat32;
+  void* grad_y_perm = nullptr;  // optional [>= R, H] contiguous
+  DType grad_y_dtype = DType::kBFloat16;
+  float* grad_weights = nullptr;  // optional [T,K]
+};
+
 }  // namespace switchyard::detail

@@ -10,5 +10,6 @@ Status route(const detail::RouteArgs& args);
 Status layout(const detail::LayoutArgs& args);
 Status gather(const detail::GatherArgs& args);
 Status combine(const detail::CombineArgs& args);
+Status combine_backward(const detail::CombineBackwardArgs& args);
 
 }  // namespace switchyard::cpu

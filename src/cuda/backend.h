@@ -22,5 +22,6 @@ Status route_and_layout(const detail::RouteArgs& route_args, const detail::Layou
 
 Status gather(const detail::GatherArgs& args, Stream stream);
 Status combine(const detail::CombineArgs& args, Stream stream);
+Status combine_backward(const detail::CombineBackwardArgs& args, Stream stream);
 
 }  // namespace switchyard::cuda

@@ -705,4 +705,166 @@ TEST(CombineCpu, ZeroTokensAndDeterminism) {
   EXPECT_TRUE(run_combine(c, layout, d) == run_combine(c, layout, d));
 }
 
+
+// ---- combine_backward ----
+
+struct BackwardCase {
+  CombineCase c;           // T, K, E, M, H, y dtype (also grad_y_perm's), weights
+  DType grad_dtype = DType::kBFloat16;
+  std::int64_t grad_stride_extra = 0;
+  bool want_dy = true, want_dw = true;
+};
+
+std::string describe(const BackwardCase& b) {
+  return "combine_backward: " + describe(b.c) + " grad_out=" + switchyard::dtype_name(b.grad_dtype) +
+         " dy=" + std::to_string(b.want_dy) + " dw=" + std::to_string(b.want_dw);
+}
+
+// Runs combine_backward on a random layout and checks it against the contract: every row of the
+// layout's capacity written (a pick's row = its weight times its token's gradient, one fp32
+// product, rounded; any other row 0), rows past it untouched; dw bit-equal to an fmaf replica in
+// column order and within 1e-6 of the fp64 dot's sum of |products|, 0 for unplaced picks.
+void check_backward_case(const BackwardCase& b, std::uint64_t seed) {
+  const CombineCase& c = b.c;
+  SCOPED_TRACE(describe(b));
+  const LayoutHolder layout = make_layout(c.T, c.K, c.E, c.M, seed);
+  const CombineData d = make_combine_data(c, layout, seed + 7);  // y: NaN on every row no pick names
+  std::mt19937_64 g(seed + 11);
+  const std::int64_t R = layout.rows, gs = c.H + b.grad_stride_extra, ys = c.H + c.y_stride_extra;
+  std::vector<std::uint8_t> grad(std::max<std::int64_t>(c.T * gs, 1) * switchyard::dtype_size(b.grad_dtype));
+  for (std::int64_t i = 0; i < c.T * gs; ++i) store_from_float(b.grad_dtype, grad.data(), i, random_value(b.grad_dtype, g));
+  const std::size_t dy_elem = switchyard::dtype_size(c.y_dtype);
+  std::vector<std::uint8_t> dy(static_cast<std::size_t>((R + kGuardRows) * c.H) * dy_elem, kPoisonByte);
+  std::vector<float> dw(static_cast<std::size_t>(c.T * c.K + kGuardRows));
+  std::memset(dw.data(), kPoisonByte, dw.size() * sizeof(float));
+  const DType w_dtype = c.weights == WeightMode::kBf16 ? DType::kBFloat16 : DType::kFloat32;
+  TensorView w;
+  if (c.weights != WeightMode::kNone) w = TensorView::of(d.weights.data(), w_dtype, {c.T, c.K}, Device::cpu());
+  const Status s = switchyard::combine_backward(
+      TensorView::of(grad.data(), b.grad_dtype, {c.T, c.H}, Device::cpu()).with_row_stride(gs),
+      TensorView::of(d.y.data(), c.y_dtype, {R, c.H}, Device::cpu()).with_row_stride(ys), layout.view(), w,
+      b.want_dy ? TensorView::of(dy.data(), c.y_dtype, {R, c.H}, Device::cpu()) : TensorView{},
+      b.want_dw ? TensorView::of(dw.data(), DType::kFloat32, {c.T, c.K}, Device::cpu()) : TensorView{});
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  int failures = 0;
+  // grad_y_perm.
+  for (std::int64_t p = 0; p < R + kGuardRows && failures < 5; ++p) {
+    const std::int64_t e = p < R ? layout.permuted_to_expanded[p] : -1;
+    const bool pick = e >= 0 && e < c.T * c.K;
+    for (std::int64_t h = 0; h < c.H && failures < 5; ++h) {
+      const std::int64_t i = p * c.H + h;
+      std::uint32_t want;
+      if (!b.want_dy || p >= R) {
+        want = stored_bits(c.y_dtype, std::vector<std::uint8_t>(dy_elem, kPoisonByte).data(), 0);
+      } else if (pick) {
+        const float wt = c.weights == WeightMode::kNone ? 1.0f : load_as_float(w_dtype, d.weights.data(), e);
+        want = bits_of(c.y_dtype, wt * load_as_float(b.grad_dtype, grad.data(), (e / c.K) * gs + h));
+      } else {
+        want = bits_of(c.y_dtype, 0.0f);
+      }
+      if (stored_bits(c.y_dtype, dy.data(), i) != want) {
+        ADD_FAILURE() << "grad_y_perm[" << p << "," << h << "] bits 0x" << std::hex
+                      << stored_bits(c.y_dtype, dy.data(), i) << ", want 0x" << want << std::dec
+                      << (p >= R ? " (past the layout's rows: untouched)" : pick ? " (a pick's row)" : " (no pick: 0)");
+        ++failures;
+      }
+    }
+  }
+  // grad_weights.
+  for (std::int64_t x = 0; x < c.T * c.K + kGuardRows && failures < 5; ++x) {
+    const float got = dw[static_cast<std::size_t>(x)];
+    float want = 0.0f;
+    double ref = 0.0, magnitude = 0.0;
+    if (!b.want_dw || x >= c.T * c.K) {
+      std::memset(&want, kPoisonByte, sizeof want);
+    } else {
+      const std::int32_t r = layout.expanded_to_permuted[x];
+      if (r >= 0 && r < R) {
+        for (std::int64_t h = 0; h < c.H; ++h) {
+          const float gv = load_as_float(b.grad_dtype, grad.data(), (x / c.K) * gs + h);
+          const float yv = load_as_float(c.y_dtype, d.y.data(), r * ys + h);
+          want = std::fmaf(gv, yv, want);
+          ref += static_cast<double>(gv) * yv;
+          magnitude += std::fabs(static_cast<double>(gv) * yv);
+        }
+      }
+    }
+    const bool inside = b.want_dw && x < c.T * c.K;
+    if (std::memcmp(&got, &want, sizeof got) != 0 || (inside && std::fabs(got - ref) > 1e-6 * magnitude + 1e-30)) {
+      ADD_FAILURE() << "grad_weights[" << x / std::max(1, c.K) << "," << x % std::max(1, c.K) << "] = " << got
+                    << ", fmaf replica " << want << ", fp64 " << ref << (x >= c.T * c.K ? " (guard: untouched)" : "");
+      ++failures;
+    }
+  }
+}
+
+TEST(CombineBackwardCpu, SweepDtypesWeightsAndOutputs) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 g(seed);
+  const DType dtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+  const WeightMode weights[] = {WeightMode::kNone, WeightMode::kFp32, WeightMode::kBf16};
+  const std::int64_t hiddens[] = {1, 7, 8, 64, 129, 300};
+  int i = 0;
+  for (const DType y_dtype : dtypes) {
+    for (const DType grad_dtype : dtypes) {
+      for (const WeightMode w : weights) {
+        BackwardCase b;
+        b.c.T = kTs[1 + i % 6];
+        b.c.E = kEs[i % 6];
+        b.c.K = std::min(kKs[(i + i / 6) % 6], b.c.E);
+        b.c.M = kMs[i % 5];
+        b.c.H = hiddens[(i / 2) % 6];
+        if (b.c.T * b.c.K * b.c.H > (std::int64_t{1} << 19)) b.c.H = i % 2 == 0 ? 8 : 3;
+        b.c.y_dtype = y_dtype;
+        b.c.weights = w;
+        b.c.y_stride_extra = i % 3 == 0 ? 0 : 5;
+        b.grad_dtype = grad_dtype;
+        b.grad_stride_extra = i % 2 == 0 ? 0 : 3;
+        b.want_dy = i % 7 != 3;
+        b.want_dw = i % 7 != 5;
+        check_backward_case(b, g());
+        ++i;
+      }
+    }
+  }
+  BackwardCase zero;  // no tokens: every row of the capacity is padding
+  zero.c.T = 0;
+  zero.c.K = 4;
+  zero.c.E = 16;
+  zero.c.M = 8;
+  check_backward_case(zero, g());
+}
+
+TEST(CombineBackwardCpu, BadArgumentsAreNamedAndNothingIsWritten) {
+  const LayoutHolder layout = make_layout(4, 2, 8, 2, 1);
+  const std::int64_t R = layout.rows, H = 8;
+  std::vector<float> grad(4 * H, 1.0f), y(R * H, 1.0f), dy(R * H, 5.0f), dw(8, 5.0f);
+  std::vector<std::uint16_t> dy16(R * H, 7);
+  const TensorView g = TensorView::of(grad.data(), DType::kFloat32, {4, H}, Device::cpu());
+  const TensorView yv = TensorView::of(y.data(), DType::kFloat32, {R, H}, Device::cpu());
+  const TensorView dyv = TensorView::of(dy.data(), DType::kFloat32, {R, H}, Device::cpu());
+  const TensorView dwv = TensorView::of(dw.data(), DType::kFloat32, {4, 2}, Device::cpu());
+  struct Bad {
+    const char* name;
+    Status status;
+  };
+  const Bad bad[] = {
+      {"grad_y_perm", switchyard::combine_backward(g, yv, layout.view(), {}, {}, {})},
+      {"y_perm", switchyard::combine_backward(g, {}, layout.view(), {}, dyv, dwv)},
+      {"grad_y_perm", switchyard::combine_backward(g, yv, layout.view(), {},
+                                                   TensorView::of(dy16.data(), DType::kBFloat16, {R, H}, Device::cpu()), dwv)},
+      {"grad_y_perm", switchyard::combine_backward(g, yv, layout.view(), {},
+                                                   TensorView::of(dy.data(), DType::kFloat32, {R - 1, H}, Device::cpu()), {})},
+      {"grad_weights", switchyard::combine_backward(g, yv, layout.view(), {}, dyv,
+                                                    TensorView::of(dw.data(), DType::kFloat32, {4, 3}, Device::cpu()))},
+  };
+  for (const Bad& b : bad) {
+    EXPECT_FALSE(b.status.ok());
+    EXPECT_NE(b.status.message().find(std::string("'") + b.name + "'"), std::string::npos) << b.status.message();
+  }
+  EXPECT_TRUE(std::all_of(dy.begin(), dy.end(), [](float v) { return v == 5.0f; }));
+  EXPECT_TRUE(std::all_of(dw.begin(), dw.end(), [](float v) { return v == 5.0f; }));
+}
+
 }  // namespace

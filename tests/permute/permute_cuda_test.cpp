@@ -13,14 +13,17 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/cuda_test_util.h"
+#include "common/float_formats.h"
 #include "common/numeric.h"
 #include "common/op_args.h"
 #include "common/test_data.h"
@@ -900,6 +903,132 @@ TEST(PermuteCuda, EmptyInputs) {
                                        TensorView::of(p, DType::kBFloat16, {0, 64}, dev));
   EXPECT_TRUE(c.ok()) << c.to_string();
   EXPECT_TRUE(cuda_clean("empty"));
+}
+
+
+// ---------------------------------------------------------------------------------------
+// combine_backward: the GPU against the CPU oracle. grad_y_perm bit for bit (one product and
+// one rounding per element, the padding rows 0, rows past the layout untouched); grad_weights
+// within fp32 rounding of the sum of |products| (the kernel sums in a fixed tree, the CPU in
+// column order), and the same bits on a second run.
+
+struct BackwardCase {
+  CombineCase c;  // y dtype (also grad_y_perm's), H, shape, weights, y stride
+  DType grad_dtype = DType::kBFloat16;
+  bool want_dy = true, want_dw = true;
+};
+
+void run_backward_case(const BackwardCase& b) {
+  const CombineCase& c = b.c;
+  const std::uint64_t seed = sy_test::fresh_seed();
+  SCOPED_TRACE(c.describe() + " backward grad=" + switchyard::dtype_name(b.grad_dtype) + " dy=" +
+               std::to_string(b.want_dy) + " dw=" + std::to_string(b.want_dw) + " seed=" + std::to_string(seed));
+  HostLayout h;
+  ASSERT_TRUE(make_host_layout(c.shape, seed, &h));
+  CombineData d = make_combine_data(c, h.R, seed + 1);
+  const std::int64_t T = c.shape.T, K = c.shape.K, H = c.H, R = h.R;
+  const std::int64_t guard = 3;
+  std::vector<unsigned char> grad = random_floats(b.grad_dtype, static_cast<std::size_t>(T * H), seed + 2);
+  const std::size_t y_elem = switchyard::dtype_size(c.y_dtype);
+  const std::size_t dy_bytes = static_cast<std::size_t>((R + guard) * H) * y_elem;
+  const std::size_t dw_bytes = static_cast<std::size_t>(T * K + guard) * 4;
+  std::vector<unsigned char> dy_cpu(dy_bytes, sy_test::kPoisonByte), dw_cpu(dw_bytes, sy_test::kPoisonByte);
+  auto views = [&](void* g, void* y, void* w, void* dy, void* dw, Device dev) {
+    const std::size_t off = static_cast<std::size_t>(c.base_offset) * y_elem;
+    return std::make_tuple(
+        TensorView::of(g, b.grad_dtype, {T, H}, dev),
+        TensorView::of(static_cast<unsigned char*>(y) + off, c.y_dtype, {R, H}, dev).with_row_stride(H + c.stride_pad),
+        weights_view(c, w, dev), b.want_dy ? TensorView::of(dy, c.y_dtype, {R, H}, dev) : TensorView{},
+        b.want_dw ? TensorView::of(dw, DType::kFloat32, {T, K}, dev) : TensorView{});
+  };
+  {
+    auto [g, y, w, dy, dw] = views(grad.data(), d.y.data(), d.weights.data(), dy_cpu.data(), dw_cpu.data(),
+                                   Device::cpu());
+    const Status st = switchyard::combine_backward(g, y, h.view(), w, dy, dw);
+    ASSERT_TRUE(st.ok()) << "CPU combine_backward: " << st.to_string();
+  }
+  DeviceLayout dl(h);
+  DeviceBuffer g_dev = upload_bytes(grad.data(), grad.size());
+  DeviceBuffer y_dev = upload_bytes(d.y.data(), d.y.size());
+  DeviceBuffer w_dev = upload_bytes(d.weights.data(), d.weights.size());
+  std::vector<unsigned char> poison_dy(dy_bytes, sy_test::kPoisonByte), poison_dw(dw_bytes, sy_test::kPoisonByte);
+  DeviceBuffer dy_dev = upload_bytes(poison_dy.data(), dy_bytes);
+  DeviceBuffer dw_dev = upload_bytes(poison_dw.data(), dw_bytes);
+  ASSERT_TRUE(dl.ok() && g_dev.get() && y_dev.get() && w_dev.get() && dy_dev.get() && dw_dev.get());
+  std::vector<unsigned char> dw_first;
+  for (int run = 0; run < 2; ++run) {
+    auto [g, y, w, dy, dw] = views(g_dev.get(), y_dev.get(), w_dev.get(), dy_dev.get(), dw_dev.get(), Device::cuda());
+    const Status st = switchyard::combine_backward(g, y, dl.layout, w, dy, dw);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_TRUE(cuda_clean("combine_backward"));
+    const std::vector<unsigned char> dw_gpu = download_bytes(dw_dev.get(), dw_bytes);
+    if (run == 1) {
+      EXPECT_TRUE(same_bytes(dw_first, dw_gpu, 4 * K, "grad_weights, second run"));
+      break;
+    }
+    dw_first = dw_gpu;
+    EXPECT_TRUE(same_bytes(dy_cpu, download_bytes(dy_dev.get(), dy_bytes), H * y_elem, "grad_y_perm"));
+    int failures = 0;
+    for (std::int64_t i = 0; i < T * K + guard && failures < 5; ++i) {
+      float got, want;
+      std::memcpy(&got, dw_gpu.data() + 4 * i, 4);
+      std::memcpy(&want, dw_cpu.data() + 4 * i, 4);
+      const std::int32_t r = i < T * K ? h.e2p[i] : -1;
+      double magnitude = 0.0;
+      if (b.want_dw && r >= 0 && r < R) {
+        for (std::int64_t col = 0; col < H; ++col) {
+          const float gv = sy_test::load_as_float(b.grad_dtype, grad.data(), (i / K) * H + col);
+          const float yv = sy_test::load_as_float(
+              c.y_dtype, d.y.data() + static_cast<std::size_t>(c.base_offset) * y_elem, r * (H + c.stride_pad) + col);
+          magnitude += std::fabs(static_cast<double>(gv) * yv);
+        }
+      }
+      const bool exact = std::memcmp(&got, &want, 4) == 0;
+      if (!exact && !(std::fabs(static_cast<double>(got) - want) <= 1e-6 * magnitude)) {
+        ADD_FAILURE() << "grad_weights[" << i / K << "," << i % K << "]: gpu " << got << ", cpu " << want
+                      << " (sum of |products| " << magnitude << (i >= T * K ? "; guard: untouched" : "") << ")";
+        ++failures;
+      }
+    }
+  }
+}
+
+TEST(PermuteCuda, CombineBackwardSweep) {
+  SY_SKIP_WITHOUT_GPU();
+  int i = 0;
+  const DType kFloats[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+  for (DType y : kFloats) {
+    for (DType g : kFloats) {
+      for (std::int64_t H : kHiddenSizes) {
+        BackwardCase b;
+        b.c.y_dtype = y;
+        b.grad_dtype = g;
+        b.c.H = H;
+        b.c.shape.T = kSmallTokenCounts[i % kSmallTokenCounts.size()];
+        b.c.shape.K = kTopKs[i % 3];
+        b.c.shape.skew = kSkews[(i / 3) % 3];
+        b.c.shape.tile = (i / 2) % 2 ? 128 : 1;
+        b.c.shape.subset = (i / 5) % 2 == 1;
+        b.c.weights = static_cast<Weights>((i / 7) % 3);
+        b.c.stride_pad = i % 4 == 3 ? 8 + i % 5 : 0;
+        b.c.base_offset = i % 6 == 2 ? 1 : 0;
+        b.want_dy = i % 5 != 1;
+        b.want_dw = i % 5 != 3;
+        cap_shape(&b.c.shape, H * static_cast<std::int64_t>(switchyard::dtype_size(y)));
+        run_backward_case(b);
+        ++i;
+      }
+    }
+  }
+  for (int K : {12, 20}) {  // picks beyond one pass of the kernel's registers (8)
+    BackwardCase b;
+    b.c.H = K == 12 ? 7168 : 100;
+    b.c.shape.T = 111;
+    b.c.shape.K = K;
+    b.c.shape.tile = 128;
+    b.c.shape.subset = true;
+    run_backward_case(b);
+  }
 }
 
 }  // namespace

@@ -124,7 +124,71 @@ void combine_impl(const detail::CombineArgs& a) {
   });
 }
 
+template <typename GFormat, typename YFormat, typename DyFormat>
+void combine_backward_impl(const detail::CombineBackwardArgs& a) {
+  using G = typename GFormat::Storage;
+  using Y = typename YFormat::Storage;
+  using Dy = typename DyFormat::Storage;
+  const G* g = static_cast<const G*>(a.grad_out);
+  const Y* y = static_cast<const Y*>(a.y_perm);
+  Dy* dy = static_cast<Dy*>(a.grad_y_perm);
+  const std::int64_t H = a.hidden;
+  const std::int64_t K = a.top_k;
+  const std::int64_t R = a.capacity_rows;
+  if (dy != nullptr) {
+    // Rows that hold no pick: padding and unused rows.
+    parallel_for(R, std::max<std::int64_t>(1, kGatherBytesPerChunk / std::max<std::int64_t>(1, H)),
+                 [&](std::int64_t p0, std::int64_t p1) {
+                   for (std::int64_t p = p0; p < p1; ++p) {
+                     const std::int64_t t = a.permuted_to_token[p];
+                     if (t < 0 || t >= a.num_tokens) std::fill(dy + p * H, dy + (p + 1) * H, DyFormat::store(0.0f));
+                   }
+                 });
+  }
+  const std::int64_t grain = std::max<std::int64_t>(1, kCombineFmasPerChunk / std::max<std::int64_t>(1, H * K));
+  parallel_for(a.num_tokens, grain, [&](std::int64_t t0, std::int64_t t1) {
+    std::vector<float> grad(static_cast<std::size_t>(H));
+    for (std::int64_t t = t0; t < t1; ++t) {
+      for (std::int64_t h = 0; h < H; ++h) grad[h] = GFormat::load(g[t * a.grad_out_row_stride + h]);
+      for (std::int64_t k = 0; k < K; ++k) {
+        const std::int64_t r = a.expanded_to_permuted[t * K + k];
+        const bool placed = r >= 0 && r < R;
+        if (placed && dy != nullptr) {
+          const float w = load_weight(a.topk_weights, a.weights_dtype, t * K + k);
+          for (std::int64_t h = 0; h < H; ++h) dy[r * H + h] = DyFormat::store(w * grad[h]);
+        }
+        if (a.grad_weights != nullptr) {
+          float dot = 0.0f;
+          if (placed) {
+            for (std::int64_t h = 0; h < H; ++h) {
+              dot = std::fmaf(grad[h], YFormat::load(y[r * a.y_row_stride + h]), dot);
+            }
+          }
+          a.grad_weights[t * K + k] = dot;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+Status combine_backward(const detail::CombineBackwardArgs& a) {
+  bool dispatched = false;
+  // Without grad_weights, y is not read: any format stands in for it.
+  const DType y_dtype = a.grad_weights != nullptr ? a.y_dtype : DType::kFloat32;
+  const DType dy_dtype = a.grad_y_perm != nullptr ? a.grad_y_dtype : DType::kFloat32;
+  with_float_format(a.grad_out_dtype, [&](auto gf) {
+    with_float_format(y_dtype, [&](auto yf) {
+      with_float_format(dy_dtype, [&](auto df) {
+        combine_backward_impl<decltype(gf), decltype(yf), decltype(df)>(a);
+        dispatched = true;
+      });
+    });
+  });
+  if (!dispatched) return Status::Internal("combine_backward: CPU backend reached with an invalid dtype");
+  return Status::Ok();
+}
 
 Status gather(const detail::GatherArgs& a) {
   const std::size_t elem = dtype_size(a.dtype);

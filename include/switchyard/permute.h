@@ -30,7 +30,8 @@ Status gather(const TensorView& x, const TensorView& x_scales, const Layout& lay
 //   acc = sum over k = 0..K-1 with expanded_to_permuted[t,k] >= 0 of
 //         w[t,k] * y_perm[expanded_to_permuted[t,k]]
 // accumulated in fp32 in k order with fma (w = 1 when topk_weights is absent): the same
-// bits run to run and on every backend. A token with no placed pick gets acc = 0.
+// bits run to run and on every backend (a NaN result is CUDA's 0x7fffffff on every backend).
+// A token with no placed pick gets acc = 0.
 //   y_perm       [R,H] bf16, fp16 or fp32; any row stride >= H; R >= the layout's capacity
 //                (rows of layout.permuted_to_token).
 //   layout       a Layout filled by layout(); uses expanded_to_permuted [T,K].

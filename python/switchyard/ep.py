@@ -430,6 +430,7 @@ class _Group:
             raise ValueError(f"{op}: argument 'handle': reuse needs the Handle of an earlier dispatch of this group")
         reuse_memory = handle.memory if reuse else None
         if _records_grad(x, topk_weights):
+            self._require_autograd(op)
             outs = _EpDispatchGrad.apply(self, rank, x, topk_ids, topk_weights, scales, bool(expert_major),
                                          reuse_memory)
         else:
@@ -462,10 +463,14 @@ class _Group:
                 raise ValueError(f"{op}: argument 'accumulate': needs `out` (the tensor to add to)")
             out = y.new_empty((handle.tokens, self.hidden), dtype=out_dtype or y.dtype, device=self.device)
         if _records_grad(y, handle.received_weights, out if accumulate else None):
+            self._require_autograd(op)
             return _EpCombineGrad.apply(self, rank, handle, bool(expert_major), y, handle.received_weights, out,
                                         bool(accumulate))
         self._combine_call(rank, handle, y, bool(expert_major), out, bool(accumulate))
         return out
+
+    def _require_autograd(self, op: str) -> None:
+        """Raises when this group's calls cannot be on the autograd tape."""
 
     def _training_dtype(self, op: str) -> None:
         if self._dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -852,6 +857,12 @@ class LoopbackGroup(_GpuGroupBase):
         self._round_ranks: set = set()
         self._rounds_done = 0  # collectives every rank has made
         self._dispatch_round: Dict[int, int] = {}  # handle memory data_ptr -> round of its dispatch
+
+    def _require_autograd(self, op: str) -> None:
+        raise ValueError(f"{op}: a LoopbackGroup call cannot be on the autograd tape: its results are ready only "
+                         "once every rank has made the call, while autograd's backward uses each rank's results "
+                         "at once. Train through GpuGroup (one rank per process) or CpuGroup, or call under "
+                         "torch.no_grad()")
 
     def stream(self, rank: int) -> torch.cuda.Stream:
         """The stream rank `rank`'s calls run on."""

@@ -31,6 +31,11 @@ SY_HD float bits_float(std::uint32_t u) {
 
 SY_HD float bf16_to_float(std::uint16_t h) { return bits_float(static_cast<std::uint32_t>(h) << 16); }
 
+// The NaN that CUDA's fp32 add, multiply and fma return for any NaN operand (0x7fffffff, PTX ISA).
+// The CPU oracle maps its arithmetic results to it, so that both backends store the same bits
+// (x86 instead keeps the first NaN operand's payload).
+SY_HD float cuda_nan_if_nan(float f) { return f != f ? bits_float(0x7fffffffu) : f; }
+
 SY_HD std::uint16_t float_to_bf16(float f) {
   std::uint32_t u = float_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN

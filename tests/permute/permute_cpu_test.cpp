@@ -678,6 +678,30 @@ TEST(CombineCpu, HandMadeUnplacedEntries) {
   }
 }
 
+// A NaN result is stored as CUDA's NaN (0x7fffffff) whatever the NaN operand's payload, so that the
+// CPU and the CUDA backend store the same bits (x86 would keep the operand's payload).
+TEST(CombineCpu, NanResultsAreCudasNan) {
+  const std::int64_t T = 1, H = 2, R = 2;
+  const int K = 2;
+  LayoutHolder layout;
+  layout.T = T;
+  layout.K = K;
+  layout.rows = R;
+  layout.permuted_to_token.assign(R, 0);
+  layout.expanded_to_permuted = {0, 1};
+  float payload_nan;
+  const std::uint32_t bits = 0xffa00001u;  // negative, with a payload
+  std::memcpy(&payload_nan, &bits, 4);
+  const std::vector<float> y = {payload_nan, 1.0f, 2.0f, 3.0f};
+  std::vector<float> out(2, 0.0f);
+  const Status s = switchyard::combine(TensorView::of(y.data(), DType::kFloat32, {R, H}, Device::cpu()),
+                                       layout.view(), TensorView{},
+                                       TensorView::of(out.data(), DType::kFloat32, {T, H}, Device::cpu()));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(f32_bits(out[0]), 0x7fffffffu);
+  EXPECT_EQ(out[1], 4.0f);
+}
+
 TEST(CombineCpu, ZeroTokensAndDeterminism) {
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

@@ -1,7 +1,12 @@
 """Gradients through switchyard.ep's dispatch and combine (docs/design.md section 7): x's and the
 routing weights' gradients of an expert-parallel MoE step equal those of the same computation
 written densely with plain torch autograd. On the CPU the ranks run CpuGroup (threads); on a GPU
-LoopbackGroup (one thread driving every rank), checked against the same dense reference."""
+GpuGroup (one rank per process, two processes sharing one GPU), checked against the same dense
+reference and against CpuGroup. LoopbackGroup refuses the autograd tape (its results are ready only
+once every rank has called)."""
+
+import os
+import socket
 
 import pytest
 
@@ -137,38 +142,74 @@ def test_fp8_group_refuses_backward_with_a_clear_error():
 
 
 @needs_gpu
-@pytest.mark.parametrize("expert_major", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_loopback_gradients_match_dense_autograd(expert_major, dtype):
-    R, L, K, H = 4, 3, 4, 256
-    T = [37, 0, 64, 5]
-    xs, ids, ws, seeds, want = make_case(R, L, K, T, H, seed=77, dtype=dtype, device="cuda")
-    group = ep.LoopbackGroup(R, R * L, K, max_tokens=max(T), hidden=H, dtype=dtype, tile_size=8)
-    x, idx, w = leaves(xs, ids, ws, "cuda")
-    outs = [rank_forward(group, r, x[r], idx[r], w[r], expert_major) for r in range(R)]
-    sum((o * s.cuda()).sum() for o, s in zip(outs, seeds)).backward()
-    group.synchronize()
-    check_grads([(x[r].grad, w[r].grad) for r in range(R)], want, dtype)
+def test_loopback_refuses_the_autograd_tape():
+    group = ep.LoopbackGroup(2, 4, 2, max_tokens=4, hidden=8, dtype=torch.float32)
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    ids = torch.tensor([[0, 3], [1, 2], [2, -1], [3, 0]], dtype=torch.int32, device="cuda")
+    w = torch.rand(4, 2, device="cuda")
+    with pytest.raises(ValueError, match="autograd tape"):
+        group.dispatch(0, x, ids, w)
+    with torch.no_grad():  # without a gradient the group works as always
+        group.dispatch(0, x, ids, w)
+
+
+# (R, L, K, H, T): the GPU case of the two-process test.
+GPU_CASE = (2, 3, 4, 256, [37, 64])
+GPU_FORMS = [(dtype, em) for dtype in (torch.float32, torch.bfloat16) for em in (True, False)]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpu_worker(rank, port, out_dir):
+    """One rank of a GpuGroup over gloo (both processes on GPU 0): every form's step and backward."""
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    R, L, K, H, T = GPU_CASE
+    dist.init_process_group("gloo", rank=rank, world_size=R)
+    try:
+        torch.cuda.set_device(0)
+        results = {}
+        for dtype, em in GPU_FORMS:
+            xs, ids, ws, seeds, _ = make_case(R, L, K, T, H, seed=77, dtype=dtype, device="cuda")
+            group = ep.GpuGroup(None, num_experts=R * L, top_k=K, max_tokens=max(T), hidden=H, dtype=dtype,
+                                tile_size=8, timeout_seconds=30.0)
+            x, idx, w = leaves([xs[rank]], [ids[rank]], [ws[rank]], "cuda")
+            out = rank_forward(group, rank, x[0], idx[0], w[0], em)
+            (out * seeds[rank].cuda()).sum().backward()
+            group.synchronize()
+            results[(str(dtype), em)] = (x[0].grad.cpu(), w[0].grad.cpu())
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
 
 
 @needs_gpu
-def test_loopback_gradients_equal_cpu_group():
-    """The same fp32 step on both groups: the gradients agree to fp32 rounding of the expert
-    function (the transport itself sums in the same order)."""
-    R, L, K, H, T = 3, 2, 2, 64, [9, 4, 11]
-    xs, ids, ws, seeds, _ = make_case(R, L, K, T, H, seed=3, dtype=torch.float32, device="cpu")
-    cpu = ep.CpuGroup(R, R * L, K, max_tokens=11, hidden=H, dtype=torch.float32, tile_size=4)
-    xc, ic, wc = leaves(xs, ids, ws, "cpu")
+def test_gpu_group_gradients_match_dense_autograd(tmp_path):
+    """GpuGroup, one rank per process (two processes on one GPU, as on a multi-GPU host): x's and
+    the weights' gradients against dense autograd, fp32 and bf16 rows, both dispatch forms; in
+    fp32 also against CpuGroup's gradients of the same step."""
+    import torch.multiprocessing as mp
 
-    def step(rank):
-        (rank_forward(cpu, rank, xc[rank], ic[rank], wc[rank], True) * seeds[rank]).sum().backward()
+    R, L, K, H, T = GPU_CASE
+    mp.spawn(_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=R, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(R)]
+    for dtype, em in GPU_FORMS:
+        xs, ids, ws, seeds, want = make_case(R, L, K, T, H, seed=77, dtype=dtype, device="cpu")
+        grads = [got[r][(str(dtype), em)] for r in range(R)]
+        check_grads(grads, want, dtype)
+        if dtype == torch.float32:
+            cpu = ep.CpuGroup(R, R * L, K, max_tokens=max(T), hidden=H, dtype=dtype, tile_size=8)
+            xc, ic, wc = leaves(xs, ids, ws, "cpu")
 
-    ep.run_ranks(R, step)
-    gpu = ep.LoopbackGroup(R, R * L, K, max_tokens=11, hidden=H, dtype=torch.float32, tile_size=4)
-    xg, ig, wg = leaves(xs, ids, ws, "cuda")
-    outs = [rank_forward(gpu, r, xg[r], ig[r], wg[r], True) for r in range(R)]
-    sum((o * s.cuda()).sum() for o, s in zip(outs, seeds)).backward()
-    gpu.synchronize()
-    for r in range(R):
-        torch.testing.assert_close(xg[r].grad.cpu(), xc[r].grad, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(wg[r].grad.cpu(), wc[r].grad, rtol=1e-6, atol=1e-6)
+            def step(rank):
+                (rank_forward(cpu, rank, xc[rank], ic[rank], wc[rank], em) * seeds[rank]).sum().backward()
+                return xc[rank].grad, wc[rank].grad
+
+            for r, (gx, gw) in enumerate(ep.run_ranks(R, step)):
+                torch.testing.assert_close(grads[r][0], gx, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(grads[r][1], gw, rtol=1e-6, atol=1e-6)

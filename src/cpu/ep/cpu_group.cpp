@@ -454,7 +454,8 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
         if (p < 0) continue;  // a pick on another rank (or none)
         const float w = in.weighted ? mine.weights[static_cast<std::size_t>(i * K + k)] : 1.0f;
         for (std::int64_t h = 0; h < H; ++h) {
-          acc[h] = std::fmaf(w, load_value(in.y.data, in.y.dtype, p * y_stride + h), acc[h]);
+          acc[h] = switchyard::detail::cuda_nan_if_nan(
+              std::fmaf(w, load_value(in.y.data, in.y.dtype, p * y_stride + h), acc[h]));
         }
       }
     } else {
@@ -479,13 +480,15 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
         std::copy(p, p + H, sum.begin());
         any = true;
       } else {
-        for (std::int64_t h = 0; h < H; ++h) sum[h] = sum[h] + p[h];
+        for (std::int64_t h = 0; h < H; ++h) sum[h] = switchyard::detail::cuda_nan_if_nan(sum[h] + p[h]);
       }
     }
     if (!any) std::fill(sum.begin(), sum.end(), 0.0f);
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t o = t * H + h;
-      store_value(out.data, out.dtype, o, accumulate ? sum[h] + load_value(out.data, out.dtype, o) : sum[h]);
+      store_value(out.data, out.dtype, o,
+                  accumulate ? switchyard::detail::cuda_nan_if_nan(sum[h] + load_value(out.data, out.dtype, o))
+                             : sum[h]);
     }
     if (in.pick_values_out.data != nullptr) {
       float* vo = static_cast<float*>(in.pick_values_out.data) + t * K;
@@ -496,7 +499,7 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
           const std::int32_t r = mine.dest_row[static_cast<std::size_t>(t * R + d)];
           if (r < 0) continue;
           const float pv = s.partial_values[d][static_cast<std::size_t>(static_cast<std::int64_t>(r) * K + k)];
-          v = first ? pv : v + pv;
+          v = first ? pv : switchyard::detail::cuda_nan_if_nan(v + pv);
           first = false;
         }
         vo[k] = v;

@@ -115,10 +115,10 @@ void combine_impl(const detail::CombineArgs& a) {
       Out* out_row = out + t * H;
       if (a.accumulate) {
         for (std::int64_t h = 0; h < H; ++h) {
-          out_row[h] = OutFormat::store(acc[h] + OutFormat::load(out_row[h]));
+          out_row[h] = OutFormat::store(detail::cuda_nan_if_nan(acc[h] + OutFormat::load(out_row[h])));
         }
       } else {
-        for (std::int64_t h = 0; h < H; ++h) out_row[h] = OutFormat::store(acc[h]);
+        for (std::int64_t h = 0; h < H; ++h) out_row[h] = OutFormat::store(detail::cuda_nan_if_nan(acc[h]));
       }
     }
   });
@@ -155,7 +155,7 @@ void combine_backward_impl(const detail::CombineBackwardArgs& a) {
         const bool placed = r >= 0 && r < R;
         if (placed && dy != nullptr) {
           const float w = load_weight(a.topk_weights, a.weights_dtype, t * K + k);
-          for (std::int64_t h = 0; h < H; ++h) dy[r * H + h] = DyFormat::store(w * grad[h]);
+          for (std::int64_t h = 0; h < H; ++h) dy[r * H + h] = DyFormat::store(detail::cuda_nan_if_nan(w * grad[h]));
         }
         if (a.grad_weights != nullptr) {
           float dot = 0.0f;
@@ -164,7 +164,7 @@ void combine_backward_impl(const detail::CombineBackwardArgs& a) {
               dot = std::fmaf(grad[h], YFormat::load(y[r * a.y_row_stride + h]), dot);
             }
           }
-          a.grad_weights[t * K + k] = dot;
+          a.grad_weights[t * K + k] = detail::cuda_nan_if_nan(dot);
         }
       }
     }

@@ -119,4 +119,23 @@ Status route(const RoutingConfig& config, const TensorView& logits, const Tensor
              const TensorView& topk_ids, const TensorView& topk_weights, Stream stream = nullptr,
              const RouteOptions& options = RouteOptions());
 
+// route_backward: d logits from d weights for route()'s picks (docs/design.md section 7). The
+// selection (top-K, groups, bias) is piecewise constant and passes no gradient; the gradient goes
+// through post, scale and pre:
+//   u[k] = grad_weights[t,k] * scale for a valid pick (its logit, and its bias if any, finite;
+//          id in [0, E)), else 0; dg = post's backward (softmax: w (u - sum w u); normalize:
+//          u / d - (sum u g) / d^2 with d = sum g + 1e-20; sigmoid: u sg (1 - sg)); then per
+//          expert dp = the dg of the picks naming it, and grad_logits = pre's backward (softmax:
+//          p (dp - sum_k p[k] dg[k]); sigmoid: dp p (1 - p); sqrtsoftplus: dp sigmoid(s) / (2 p));
+//          0 where the logit is not finite.
+// p is recomputed from the logits as route() computes it (softmax over the finite logits with
+// the canonical denominator); sums run in k order. The CPU and CUDA backends give the same bits.
+//   logits, bias   route()'s inputs (bias only decides which picks are valid).
+//   topk_ids       [T,K] int32 or int64: route()'s picks.
+//   grad_weights   [T,K] fp32 or bf16, contiguous.
+//   grad_logits    [T,E] in the logits' dtype, contiguous: every element written.
+Status route_backward(const RoutingConfig& config, const TensorView& logits, const TensorView& bias,
+                      const TensorView& topk_ids, const TensorView& grad_weights, const TensorView& grad_logits,
+                      Stream stream = nullptr);
+
 }  // namespace switchyard

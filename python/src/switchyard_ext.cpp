@@ -199,6 +199,13 @@ NB_MODULE(_ext, m) {
          std::uintptr_t stream) { return route(c, logits, bias, topk_ids, topk_weights, as_stream(stream)); },
       "config"_a, "logits"_a, "bias"_a, "topk_ids"_a, "topk_weights"_a, "stream"_a, release());
   m.def(
+      "route_backward",
+      [](const RoutingConfig& c, const TensorView& logits, const TensorView& bias, const TensorView& topk_ids,
+         const TensorView& grad_weights, const TensorView& grad_logits, std::uintptr_t stream) {
+        return route_backward(c, logits, bias, topk_ids, grad_weights, grad_logits, as_stream(stream));
+      },
+      "config"_a, "logits"_a, "bias"_a, "topk_ids"_a, "grad_weights"_a, "grad_logits"_a, "stream"_a, release());
+  m.def(
       "layout",
       [](const LayoutConfig& c, const TensorView& topk_ids, const Layout& out, std::uintptr_t workspace,
          std::size_t workspace_bytes, std::uintptr_t stream) {

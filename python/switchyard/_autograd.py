@@ -2,9 +2,9 @@
 torch.library.register_autograd on the functional ops, so that switchyard.route,
 route_and_layout, gather and combine sit on the autograd tape, eagerly and under torch.compile.
 
-gather's and combine's backward are Switchyard kernels (CPU and CUDA, the library's contract:
-caller-owned memory, CUDA-graph capture, no atomics); route's is a few torch ops on [T,E]
-arrays, chosen so that no result depends on the order of atomic updates:
+Every backward is a Switchyard kernel (CPU and CUDA, the library's contract: caller-owned
+memory, CUDA-graph capture, no atomics); route's torch formulas below (route_weights_backward)
+remain for fp64 logits, which the library does not take, and as the reference gradcheck checks:
 
   gather    x_perm[p] = x[token(p)]
             dx[t] = sum over placed k of dx_perm[expanded_to_permuted[t,k]], in k order
@@ -19,8 +19,6 @@ arrays, chosen so that no result depends on the order of atomic updates:
             logits in fp32 (fp64 for fp64 logits); the selection (top-K, groups, bias) is
             piecewise constant and passes no gradient; the bias gets none. Logits that are not
             finite, and picks whose selection score is not finite (weight 0), get gradient 0.
-
-A dedicated route backward kernel can replace its torch formula behind the same registration.
 """
 
 from typing import Any, Optional, Tuple
@@ -155,12 +153,20 @@ def _route_setup(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, ...]) 
     ctx.save_for_backward(logits, bias, output[0])
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _route_backward(ctx: Any, *grads: Optional[Tensor]):
     grad_weights = grads[1]
     logits, bias, ids = ctx.saved_tensors
     grad_logits = None
     if grad_weights is not None:
-        grad_logits = route_weights_backward(logits, bias, ids.long(), grad_weights, *ctx.rule)
+        if logits.dtype in _KERNEL_DTYPES:
+            # Switchyard's route_backward (routing.h; CPU and CUDA, the same bits).
+            weights = grad_weights if grad_weights.dtype in (torch.float32, torch.bfloat16) else grad_weights.float()
+            grad_logits = torch.ops.switchyard.route_backward(logits, bias, ids, weights.contiguous(), *ctx.rule)
+        else:  # fp64 logits (gradcheck): the torch formulas
+            grad_logits = route_weights_backward(logits, bias, ids.long(), grad_weights, *ctx.rule)
     return (grad_logits,) + (None,) * (ctx.num_inputs - 1)  # no gradient for the bias
 
 

@@ -249,6 +249,24 @@ def _(logits, bias, num_experts, top_k, pre, post, group_rule, n_group, topk_gro
             logits.new_empty((num_tokens, top_k), dtype=weights_dtype))
 
 
+@torch.library.custom_op("switchyard::route_backward", mutates_args=())
+def _route_backward_op(logits: Tensor, bias: Optional[Tensor], topk_ids: Tensor, grad_weights: Tensor, pre: int,
+                       post: int, scale: float) -> Tensor:
+    """d logits [T,E] in the logits' dtype from d weights [T,K] (routing.h route_backward)."""
+    op = "route_backward"
+    grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    config = _routing(_cols_2d(logits), _cols_2d(topk_ids), pre, post, 0, 1, 1, scale)
+    _call(_ext.route_backward, logits.device, config, _view(op, "logits", logits), _view(op, "bias", bias),
+          _view(op, "topk_ids", topk_ids), _view(op, "grad_weights", grad_weights),
+          _view(op, "grad_logits", grad_logits))
+    return grad_logits
+
+
+@_route_backward_op.register_fake
+def _(logits, bias, topk_ids, grad_weights, pre, post, scale):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
 # ----------------------------------------------------------------------------- layout
 
 _LAYOUT_MUTATED = ("counts", "offsets", "permuted_to_expanded", "permuted_to_token", "expanded_to_permuted",

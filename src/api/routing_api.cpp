@@ -86,4 +86,23 @@ Status route(const RoutingConfig& config, const TensorView& logits, const Tensor
   return cpu::route(args);
 }
 
+Status route_backward(const RoutingConfig& config, const TensorView& logits, const TensorView& bias,
+                      const TensorView& topk_ids, const TensorView& grad_weights, const TensorView& grad_logits,
+                      Stream stream) {
+  const detail::ArgChecker check("route_backward");
+  detail::RouteBackwardArgs args;
+  SY_RETURN_IF_ERROR(
+      detail::check_route_args(check, config, logits, bias, topk_ids, grad_weights, &args.route, "grad_weights"));
+  SY_RETURN_IF_ERROR(check.tensor(grad_logits, "grad_logits", {logits.dtype},
+                                  {args.route.num_tokens, config.num_experts}, logits.device));
+  args.grad_logits = grad_logits.data;
+  SY_RETURN_IF_ERROR(detail::backend_available("route_backward", logits.device));
+  if (args.route.num_tokens == 0) return Status::Ok();
+#if defined(SWITCHYARD_WITH_CUDA)
+  if (logits.device.is_cuda()) return cuda::route_backward(args, stream);
+#endif
+  (void)stream;
+  return cpu::route_backward(args);
+}
+
 }  // namespace switchyard

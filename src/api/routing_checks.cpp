@@ -54,7 +54,7 @@ Status check_routing_config(const ArgChecker& check, const RoutingConfig& c) {
 
 Status check_route_args(const ArgChecker& check, const RoutingConfig& config, const TensorView& logits,
                         const TensorView& bias, const TensorView& topk_ids,
-                        const TensorView& topk_weights, RouteArgs* args) {
+                        const TensorView& topk_weights, RouteArgs* args, const char* weights_name) {
   SY_RETURN_IF_ERROR(check_routing_config(check, config));
   const std::int64_t E = config.num_experts;
   const std::int64_t K = config.top_k;
@@ -76,7 +76,7 @@ Status check_route_args(const ArgChecker& check, const RoutingConfig& config, co
     SY_RETURN_IF_ERROR(check.tensor(bias, "bias", {DType::kFloat32, DType::kBFloat16}, {E}, device));
   }
   SY_RETURN_IF_ERROR(check.tensor(topk_ids, "topk_ids", {DType::kInt32, DType::kInt64}, {T, K}, device));
-  SY_RETURN_IF_ERROR(check.tensor(topk_weights, "topk_weights", {DType::kFloat32, DType::kBFloat16}, {T, K}, device));
+  SY_RETURN_IF_ERROR(check.tensor(topk_weights, weights_name, {DType::kFloat32, DType::kBFloat16}, {T, K}, device));
   if (T * K > std::numeric_limits<std::int32_t>::max()) {
     return check.fail_arg("logits", "T * K = " + str(T * K) + " must be below 2^31");
   }

@@ -14,7 +14,8 @@ Status check_routing_config(const ArgChecker& check, const RoutingConfig& config
 Status check_route_args(const ArgChecker& check, const RoutingConfig& config,
                         const TensorView& logits, const TensorView& bias,
                         const TensorView& topk_ids, const TensorView& topk_weights,
-                        RouteArgs* args);
+                        RouteArgs* args,
+                        const char* weights_name = "topk_weights");
 
 Status check_layout_config(const ArgChecker& check, const LayoutConfig& config);
 

@@ -26,6 +26,11 @@ struct RouteArgs {
   RouteOptions options;
 };
 
+struct RouteBackwardArgs {
+  RouteArgs route;  // topk_weights holds grad_weights
+  void* grad_logits = nullptr;  // [T,E] contiguous, the logits' dtype
+};
+
 struct LayoutArgs {
   int num_experts = 0;
   int num_local = 0;

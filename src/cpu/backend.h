@@ -7,6 +7,7 @@
 namespace switchyard::cpu {
 
 Status route(const detail::RouteArgs& args);
+Status route_backward(const detail::RouteBackwardArgs& args);
 Status layout(const detail::LayoutArgs& args);
 Status gather(const detail::GatherArgs& args);
 Status combine(const detail::CombineArgs& args);

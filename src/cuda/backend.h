@@ -11,6 +11,7 @@
 namespace switchyard::cuda {
 
 Status route(const detail::RouteArgs& args, Stream stream);
+Status route_backward(const detail::RouteBackwardArgs& args, Stream stream);
 
 // Scratch bytes the CUDA layout needs for these shapes.
 std::size_t layout_workspace_bytes(const detail::LayoutArgs& shape);

@@ -17,12 +17,16 @@ Qwen3-235B-A22B (H 4096, 128 experts, top 8, expert width 1536, softmax routing)
     route    ours: sy.route's weights (backward: the torch formulas of docs/design.md section 7);
              torch: the same rule written with softmax/sigmoid + topk + gather (autograd of it)
   Bytes counted as the minimum a backward must move (reads of its inputs, writes of its
-  gradients), and shown as a fraction of the copy bandwidth measured in the same run.
+  gradients). The kernel figure is Switchyard's backward op alone, called directly in a CUDA
+  graph (switchyard-bench's method), as a fraction of the copy bandwidth measured in the same
+  run; the autograd figures include autograd's host work, which dominates the small route
+  backward on both sides.
 - Training step, at T = 4096: one MoE layer, forward + backward (router GEMM, routing, token
   traffic, SwiGLU experts with torch._grouped_mm, weighted sum), with Switchyard's route_and_layout,
   gather and combine against the same layer written in plain PyTorch (topk routing, stable sort,
   index_select, index_add_). The gradients of both are compared once.
-Timing: CUDA events around `--calls` back-to-back calls after a warm-up, median of `--repeats`.
+Timing: CUDA events around `--calls` back-to-back calls after a warm-up, median of `--repeats`;
+kernels: a CUDA graph of 20 calls, median of its replays.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import switchyard as sy
-from switchyard.bench import measure_copy_bandwidth, torch_route
+from switchyard.bench import GpuTimer, measure_copy_bandwidth, torch_route
 
 SHAPES = {
     # name: (preset, hidden, expert width)
@@ -63,7 +67,7 @@ class Timer:
 
     def time(self, fn: Callable[[], Any]) -> float:
         """Median microseconds per call."""
-        for _ in range(3):
+        for _ in range(5):
             fn()
         if self.device.type != "cuda":
             import time
@@ -106,13 +110,17 @@ def backward_points(shape: str, T: int, timer: Timer, copy_bw: float, device: to
     tok = (lay.permuted_to_expanded.long() // K).clamp(max=T - 1)[: T * K]  # tile size 1: rows 0..T*K-1 placed
     points = []
 
-    def point(op: str, ours: Callable[[], Any], theirs: Callable[[], Any], nbytes: float) -> None:
+    graph_timer = GpuTimer(torch, 20, 50, 0.2) if device.type == "cuda" else None
+
+    def point(op: str, ours: Callable[[], Any], theirs: Callable[[], Any], kernel: Callable[[], Any],
+              nbytes: float) -> None:
         us, tus = timer.time(ours), timer.time(theirs)
-        gbps = nbytes / (us * 1e-6) / 1e9
+        kus = graph_timer.time(lambda i: kernel())["median_us"] if graph_timer else timer.time(kernel)
+        gbps = nbytes / (kus * 1e-6) / 1e9
         points.append({"shape": shape, "op": op, "tokens": T, "hidden": H, "num_experts": E, "top_k": K,
-                       "dtype": str(dtype).replace("torch.", ""), "bytes": nbytes, "median_us": us,
-                       "gbps": gbps, "pct_copy": 100.0 * gbps * 1e9 / copy_bw, "torch_median_us": tus,
-                       "speedup": tus / us})
+                       "dtype": str(dtype).replace("torch.", ""), "bytes": nbytes, "kernel_us": kus,
+                       "gbps": gbps, "pct_copy": 100.0 * gbps * 1e9 / copy_bw, "median_us": us,
+                       "torch_median_us": tus, "speedup": tus / us})
 
     # gather: d x [T,H] from d x_perm [R,H].
     x = torch.randn(T, H, device=device, generator=g).to(dtype).requires_grad_()
@@ -120,7 +128,9 @@ def backward_points(shape: str, T: int, timer: Timer, copy_bw: float, device: to
     ours_out = sy.gather(x, lay)
     theirs_out = x.index_select(0, tok)
     point("gather_backward", lambda: torch.autograd.grad(ours_out, x, dxp, retain_graph=True),
-          lambda: torch.autograd.grad(theirs_out, x, dxp[: T * K], retain_graph=True), (T * K + T) * H * e)
+          lambda: torch.autograd.grad(theirs_out, x, dxp[: T * K], retain_graph=True),
+          lambda: torch.ops.switchyard.combine(dxp, lay.expanded_to_permuted, lay.permuted_to_token, None),
+          (T * K + T) * H * e)
     del ours_out, theirs_out
 
     # combine: d y_perm [R,H] and d w [T,K] from d out [T,H].
@@ -131,6 +141,8 @@ def backward_points(shape: str, T: int, timer: Timer, copy_bw: float, device: to
     theirs_out = (y[e2p] * w[..., None]).float().sum(1).to(dtype)
     point("combine_backward", lambda: torch.autograd.grad(ours_out, (y, w), dout, retain_graph=True),
           lambda: torch.autograd.grad(theirs_out, (y, w), dout, retain_graph=True),
+          lambda: torch.ops.switchyard.combine_backward(dout, y, lay.expanded_to_permuted, lay.permuted_to_token, w,
+                                                        True, True),
           T * H * e + 2.0 * T * K * H * e + 4.0 * T * K * 2)
     del ours_out, theirs_out, y
 
@@ -138,10 +150,13 @@ def backward_points(shape: str, T: int, timer: Timer, copy_bw: float, device: to
     logits = torch.randn(T, E, device=device, generator=g).requires_grad_()
     bias = torch.randn(E, device=device, generator=g) * 0.1 if cfg.has_bias else None
     dw = torch.randn(T, K, device=device, generator=g)
-    _, ours_w = sy.route(logits, cfg, bias=bias)
+    ours_ids, ours_w = sy.route(logits, cfg, bias=bias)
     _, theirs_w = torch_route(torch, logits, bias, cfg)
+    rule = cfg.routing._op_args
     point("route_backward", lambda: torch.autograd.grad(ours_w, logits, dw, retain_graph=True),
-          lambda: torch.autograd.grad(theirs_w, logits, dw, retain_graph=True), 4.0 * T * E * 2 + 12.0 * T * K)
+          lambda: torch.autograd.grad(theirs_w, logits, dw, retain_graph=True),
+          lambda: torch.ops.switchyard.route_backward(logits, bias, ours_ids, dw, rule[2], rule[3], rule[7]),
+          4.0 * T * E * 2 + 12.0 * T * K)
     return points
 
 
@@ -220,11 +235,13 @@ def training_point(shape: str, T: int, timer: Timer, device: torch.device, dtype
 
 
 def markdown(points: List[Dict[str, Any]]) -> str:
-    lines = ["| shape | op | T | ours us | GB/s | % copy | PyTorch us | speedup |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | op | T | kernel us | GB/s | % copy | autograd us | PyTorch autograd us | speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p in points:
+        k = f"{p['kernel_us']:.1f}" if "kernel_us" in p else ""
         gb = f"{p['gbps']:.0f}" if "gbps" in p else ""
         pct = f"{p['pct_copy']:.0f}%" if "pct_copy" in p else ""
-        lines.append(f"| {p['shape']} | {p['op']} | {p['tokens']} | {p['median_us']:.1f} | {gb} | {pct} | "
+        lines.append(f"| {p['shape']} | {p['op']} | {p['tokens']} | {k} | {gb} | {pct} | {p['median_us']:.1f} | "
                      f"{p['torch_median_us']:.1f} | {p['speedup']:.2f}x |")
     return "\n".join(lines)
 
@@ -257,8 +274,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             points += backward_points(shape, T, timer, copy_bw, device, dtype)
         for T in train_tokens:
             points.append(training_point(shape, T, timer, device, dtype))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     print(markdown(points))
     if args.json:
         meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

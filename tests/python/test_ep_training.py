@@ -210,6 +210,8 @@ def test_gpu_group_gradients_match_dense_autograd(tmp_path):
                 (rank_forward(cpu, rank, xc[rank], ic[rank], wc[rank], em) * seeds[rank]).sum().backward()
                 return xc[rank].grad, wc[rank].grad
 
+            # The transport sums in the same order on both; the expert function's backward and the
+            # weights' dot products are torch's, whose CPU and GPU reductions round differently.
             for r, (gx, gw) in enumerate(ep.run_ranks(R, step)):
-                torch.testing.assert_close(grads[r][0], gx, rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(grads[r][1], gw, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(grads[r][0], gx, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(grads[r][1], gw, rtol=1e-5, atol=1e-5)

@@ -27,6 +27,9 @@ using switchyard::PreFn;
 using switchyard::RoutingConfig;
 using switchyard::Status;
 using switchyard::TensorView;
+using sy_test::DeviceBuffer;
+using sy_test::to_device;
+using sy_test::to_host;
 
 struct Case {
   int E = 16, K = 4;

@@ -69,7 +69,9 @@ std::vector<double> reference_row(const Case& c, const std::vector<double>& s, c
   } else {
     for (int e = 0; e < E; ++e) {
       if (!fin[e]) continue;
-      p[e] = c.pre == PreFn::kSigmoid ? sigmoid(s[e]) : c.pre == PreFn::kSqrtSoftplus ? std::sqrt(softplus(s[e])) : s[e];
+      p[e] = c.pre == PreFn::kSigmoid        ? sigmoid(s[e])
+             : c.pre == PreFn::kSqrtSoftplus ? std::sqrt(softplus(s[e]))
+                                             : s[e];
     }
   }
   std::vector<double> g(K, 0.0), u(K, 0.0), dg(K, 0.0);
@@ -261,11 +263,13 @@ TEST(RouteBackwardCpu, ArgumentsAreCheckedAndNamed) {
   const Status wrong_dtype = switchyard::route_backward(cfg, l, {}, i, w,
                                                         TensorView::of(out16.data(), DType::kBFloat16, {3, 8}, cpu));
   EXPECT_NE(wrong_dtype.message().find("'grad_logits'"), std::string::npos) << wrong_dtype.message();
-  const Status wrong_shape = switchyard::route_backward(cfg, l, {}, i, TensorView::of(dw.data(), DType::kFloat32, {3, 1}, cpu),
-                                                        TensorView::of(out.data(), DType::kFloat32, {3, 8}, cpu));
+  const Status wrong_shape =
+      switchyard::route_backward(cfg, l, {}, i, TensorView::of(dw.data(), DType::kFloat32, {3, 1}, cpu),
+                                 TensorView::of(out.data(), DType::kFloat32, {3, 8}, cpu));
   EXPECT_NE(wrong_shape.message().find("'grad_weights'"), std::string::npos) << wrong_shape.message();
   for (float v : out) EXPECT_EQ(v, 7.0f);
-  EXPECT_TRUE(switchyard::route_backward(cfg, l, {}, i, w, TensorView::of(out.data(), DType::kFloat32, {3, 8}, cpu)).ok());
+  const TensorView good = TensorView::of(out.data(), DType::kFloat32, {3, 8}, cpu);
+  EXPECT_TRUE(switchyard::route_backward(cfg, l, {}, i, w, good).ok());
 }
 
 }  // namespace

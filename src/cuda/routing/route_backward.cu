@@ -92,8 +92,9 @@ __global__ void __launch_bounds__(kThreads) route_backward_kernel(const Params p
       const float s = ok ? load_float(p.logits, p.logits_dtype, row + id) : 0.0f;
       ok = ok && detail::is_finite(s);
       if (ok && p.bias != nullptr) ok = detail::is_finite(load_float(p.bias, p.bias_dtype, id));
-      const float gw = p.weights_bf16 ? detail::bf16_to_float(static_cast<const std::uint16_t*>(p.grad_weights)[t * K + lane])
-                                      : static_cast<const float*>(p.grad_weights)[t * K + lane];
+      const std::int64_t x = t * K + lane;
+      const float gw = p.weights_bf16 ? detail::bf16_to_float(static_cast<const std::uint16_t*>(p.grad_weights)[x])
+                                      : static_cast<const float*>(p.grad_weights)[x];
       valid_sh[warp][lane] = ok;
       id_sh[warp][lane] = ok ? static_cast<int>(id) : -1;
       g_sh[warp][lane] = ok ? detail::pre_value(c.pre, s, m, sum) : 0.0f;

@@ -25,6 +25,13 @@ The GPU groups (LoopbackGroup, GpuGroup) offer the same dispatch / combine / Han
 CUDA tensors; see their docstrings for how calls are ordered on streams. Every group's dispatch
 and combine are the torch custom ops switchyard::ep_dispatch / switchyard::ep_combine (with fake
 implementations), so they can sit in torch.compile(fullgraph=True) graphs and CUDA graphs.
+
+Gradients (docs/design.md section 7): when x or topk_weights require grad, dispatch and combine of
+CpuGroup and GpuGroup are on the autograd tape. Dispatch's backward is a combine over the same
+handle (each source token sums its copies' gradients; the received weights' gradients come back
+with it), combine's backward a dispatch of the output gradient reusing the handle. Both are
+collectives: every rank runs its backward, in the order of its forward calls. Gradients travel in
+the group's row dtype.
 """
 
 from __future__ import annotations
@@ -833,7 +840,9 @@ class LoopbackGroup(_GpuGroupBase):
     (build a new one).
 
     R may not exceed the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set
-    before CUDA starts)."""
+    before CUDA starts). Gradients: a call whose inputs require grad raises ValueError (the results
+    of a round are ready only once every rank has called, and autograd's backward uses each rank's
+    results at once); GpuGroup and CpuGroup train."""
 
     _what = "ep loopback group"
 

@@ -82,11 +82,16 @@ def leaves(xs, ids, ws, device):
 
 
 def check_grads(got, want, dtype):
-    # fp32 rows: only summation order differs; bf16 rows: the gradients travel as bf16.
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    """fp32 rows: only summation order differs (1e-5). bf16 rows: the rows, expert outputs and
+    output gradients travel as bf16 (2^-8 relative each), so a weight's gradient, a dot product
+    over H such terms, is off by up to about 2% of the largest weight gradient."""
     for r, ((gx, gw), (wx, ww)) in enumerate(zip(got, want)):
-        torch.testing.assert_close(gx.float().cpu(), wx.to(gx.dtype).float(), **tol, msg=lambda m: f"rank {r} dx: {m}")
-        torch.testing.assert_close(gw.cpu(), ww, **tol, msg=lambda m: f"rank {r} d topk_weights: {m}")
+        for name, g, w in (("dx", gx.float().cpu(), wx.to(gx.dtype).float()), ("d topk_weights", gw.cpu(), ww)):
+            if dtype == torch.float32:
+                tol = dict(rtol=1e-5, atol=1e-5)
+            else:
+                tol = dict(rtol=2e-2, atol=2e-2 * max(1.0, float(w.abs().max())))
+            torch.testing.assert_close(g, w, **tol, msg=lambda m: f"rank {r} {name}: {m}")
 
 
 @pytest.mark.parametrize("R,L,K,expert_major", [(1, 4, 2, True), (3, 2, 3, True), (4, 2, 2, False), (2, 3, 4, True)])

@@ -3,6 +3,9 @@
 #include "fuzz/fuzz_cuda.h"
 
 #include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
 
 #if defined(SWITCHYARD_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -139,6 +142,81 @@ std::string Mirror::check() {
   return "";
 }
 
+std::string ep_loopback_differs(const switchyard::ep::GroupConfig& config, const std::vector<EpRankViews>& ranks) {
+  namespace ep = switchyard::ep;
+  std::unique_ptr<ep::GpuGroup> group;
+  const switchyard::Status created = ep::GpuGroup::create_loopback(config, ep::GpuOptions(), 0, &group);
+  if (created.code() == switchyard::StatusCode::kUnsupported) return "";
+  if (!created.ok()) return "ep loopback: " + created.to_string();
+  const int R = config.num_ranks;
+  std::vector<std::unique_ptr<Mirror>> mirrors;
+  std::vector<cudaStream_t> streams(static_cast<std::size_t>(R), nullptr);
+  std::vector<ep::Handle> handles(static_cast<std::size_t>(R));
+  std::vector<switchyard::TensorView> expert_x(static_cast<std::size_t>(R));
+  std::string error;
+  auto out = [](Mirror& m, const switchyard::TensorView& host, const switchyard::TensorView& initial,
+                const char* name) { return m.out(host, name, initial.data); };
+  for (int r = 0; r < R && error.empty(); ++r) {
+    const EpRankViews& v = ranks[static_cast<std::size_t>(r)];
+    mirrors.push_back(std::make_unique<Mirror>());
+    Mirror& m = *mirrors.back();
+    cudaStreamCreateWithFlags(&streams[static_cast<std::size_t>(r)], cudaStreamNonBlocking);
+    ep::DispatchInputs in;
+    in.x = m.in(v.in.x);
+    in.topk_ids = m.in(v.in.topk_ids);
+    in.topk_weights = m.in(v.in.topk_weights);
+    ep::DispatchOutputs o;
+    o.x = out(m, v.out.x, v.initial.x, "x");
+    o.src_rank = out(m, v.out.src_rank, v.initial.src_rank, "src_rank");
+    o.src_token = out(m, v.out.src_token, v.initial.src_token, "src_token");
+    o.topk_ids = out(m, v.out.topk_ids, v.initial.topk_ids, "topk_ids");
+    o.topk_weights = out(m, v.out.topk_weights, v.initial.topk_weights, "topk_weights");
+    o.stats = out(m, v.out.stats, v.initial.stats, "stats");
+    const switchyard::Layout& l = v.out.layout;
+    const switchyard::Layout& li = v.initial.layout;
+    o.layout.counts = out(m, l.counts, li.counts, "layout.counts");
+    o.layout.offsets = out(m, l.offsets, li.offsets, "layout.offsets");
+    o.layout.permuted_to_expanded = out(m, l.permuted_to_expanded, li.permuted_to_expanded, "layout.permuted_to_expanded");
+    o.layout.permuted_to_token = out(m, l.permuted_to_token, li.permuted_to_token, "layout.permuted_to_token");
+    o.layout.expanded_to_permuted = out(m, l.expanded_to_permuted, li.expanded_to_permuted, "layout.expanded_to_permuted");
+    o.layout.tile_expert = out(m, l.tile_expert, li.tile_expert, "layout.tile_expert");
+    o.layout.tile_row_end = out(m, l.tile_row_end, li.tile_row_end, "layout.tile_row_end");
+    o.layout.totals = out(m, l.totals, li.totals, "layout.totals");
+    o.expert_x = out(m, v.out.expert_x, v.initial.expert_x, "expert_x");
+    const std::int64_t handle_bytes = ep::handle_bytes(config);
+    o.handle_memory = switchyard::TensorView::of(m.scratch(static_cast<std::size_t>(handle_bytes)),
+                                                 switchyard::DType::kInt32, {handle_bytes / 4},
+                                                 switchyard::Device::cuda(0));
+    expert_x[static_cast<std::size_t>(r)] = o.expert_x;
+    const switchyard::Status s = group->dispatch(r, in, o, &handles[static_cast<std::size_t>(r)], false,
+                                                 streams[static_cast<std::size_t>(r)]);
+    if (!s.ok()) error = "ep loopback dispatch (rank " + std::to_string(r) + "): " + s.to_string();
+  }
+  for (int r = 0; r < R && error.empty(); ++r) {
+    const EpRankViews& v = ranks[static_cast<std::size_t>(r)];
+    ep::CombineInputs ci;
+    ci.y = expert_x[static_cast<std::size_t>(r)];
+    const switchyard::Status s =
+        group->combine(r, handles[static_cast<std::size_t>(r)], ci,
+                       out(*mirrors[static_cast<std::size_t>(r)], v.combined, v.combined_initial, "combine out"),
+                       false, streams[static_cast<std::size_t>(r)]);
+    if (!s.ok()) error = "ep loopback combine (rank " + std::to_string(r) + "): " + s.to_string();
+  }
+  for (int r = 0; r < R; ++r) {
+    cudaStream_t& stream = streams[static_cast<std::size_t>(r)];
+    if (stream == nullptr) continue;
+    cudaStreamSynchronize(stream);
+    const switchyard::Status s = group->check(r);
+    if (error.empty() && !s.ok()) error = "ep loopback (rank " + std::to_string(r) + "): " + s.to_string();
+    if (error.empty()) {
+      const std::string diff = mirrors[static_cast<std::size_t>(r)]->check();
+      if (!diff.empty()) error = "ep loopback, rank " + std::to_string(r) + ": " + diff;
+    }
+    cudaStreamDestroy(stream);
+  }
+  return error;
+}
+
 #else
 
 struct Mirror::State {};
@@ -151,6 +229,9 @@ switchyard::TensorView Mirror::out(const switchyard::TensorView& host, const cha
 switchyard::Layout Mirror::out(const switchyard::Layout& host) { return host; }
 void* Mirror::scratch(std::size_t) { return nullptr; }
 std::string Mirror::check() { return cuda_unavailable(); }
+std::string ep_loopback_differs(const switchyard::ep::GroupConfig&, const std::vector<EpRankViews>&) {
+  return cuda_unavailable();
+}
 
 #endif
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "switchyard/ep.h"
 #include "switchyard/layout.h"
 #include "switchyard/tensor.h"
 
@@ -41,5 +42,19 @@ class Mirror {
  private:
   std::unique_ptr<State> state_;
 };
+
+// One rank of an expert-parallel call on the CPU group, as host views: its dispatch inputs, the
+// CPU group's outputs (dispatch, and combine of identity experts: y = expert_x) and what those
+// output buffers held before the calls.
+struct EpRankViews {
+  switchyard::ep::DispatchInputs in;
+  switchyard::ep::DispatchOutputs out, initial;
+  switchyard::TensorView combined, combined_initial;
+};
+
+// The same dispatch and combine of every rank on a loopback GpuGroup (R ranks on GPU 0, a stream
+// each): "" when every output has the CPU group's bytes (or the GPU cannot hold the group), else
+// the first difference.
+std::string ep_loopback_differs(const switchyard::ep::GroupConfig& config, const std::vector<EpRankViews>& ranks);
 
 }  // namespace sy_fuzz

@@ -4,7 +4,7 @@
 // written to <out-dir>/<target>-<n>.bin and the run exits 1.
 //   fuzz_switchyard [--seconds S] [--target NAME] [--seed N] [--corpus DIR] [--out-dir DIR] [--cuda]
 // --cuda: every call that succeeds on the CPU also runs on the CUDA backend and must give the same
-// bytes (the differential run; the expert-parallel target stays on the CPU).
+// bytes (the differential run; the expert-parallel target runs its ranks on a loopback GpuGroup).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

@@ -576,12 +576,14 @@ std::string fuzz_ep(const std::uint8_t* data, std::size_t size) {
   auto i32 = [](std::vector<std::int32_t>& v, std::initializer_list<std::int64_t> shape) {
     return TensorView::of(v.data(), DType::kInt32, shape);
   };
-  Status st = ep::run_ranks(R, [&](int r) {
-    Rank& rk = ranks[static_cast<std::size_t>(r)];
+  auto inputs = [&](Rank& rk) {
     ep::DispatchInputs in;
     in.x = TensorView::of(rk.x.data(), cfg.dtype, {rk.T, H});
     in.topk_ids = TensorView::of(rk.ids.data(), DType::kInt32, {rk.T, K});
     in.topk_weights = TensorView::of(rk.w.data(), DType::kFloat32, {rk.T, K});
+    return in;
+  };
+  auto outputs = [&](Rank& rk) {
     ep::DispatchOutputs o;
     o.x = TensorView::of(rk.ox.data(), cfg.dtype, {N, H});
     o.src_rank = i32(rk.src_rank, {N});
@@ -593,7 +595,12 @@ std::string fuzz_ep(const std::uint8_t* data, std::size_t size) {
                       i32(rk.lay[4], {N, K}), i32(rk.lay[5], {tiles}), i32(rk.lay[6], {tiles}),
                       i32(rk.lay[7], {switchyard::kNumTotals})};
     o.expert_x = TensorView::of(rk.ex.data(), cfg.dtype, {P, H});
-    return group->dispatch(r, in, o, &rk.handle);
+    return o;
+  };
+  std::vector<Rank> initial = ranks;  // the outputs' contents before the calls (the GPU's start)
+  Status st = ep::run_ranks(R, [&](int r) {
+    Rank& rk = ranks[static_cast<std::size_t>(r)];
+    return group->dispatch(r, inputs(rk), outputs(rk), &rk.handle);
   });
   if (!st.ok()) return "ep dispatch: " + st.to_string();
   std::int64_t recv = 0, sent = 0;
@@ -620,6 +627,18 @@ std::string fuzz_ep(const std::uint8_t* data, std::size_t size) {
     return group->combine(r, rk.handle, ci, TensorView::of(rk.out.data(), cfg.dtype, {rk.T, H}));
   });
   if (!st.ok()) return "ep combine: " + st.to_string();
+  if (cuda_enabled()) {
+    std::vector<EpRankViews> views;
+    for (int r = 0; r < R; ++r) {
+      Rank& rk = ranks[static_cast<std::size_t>(r)];
+      Rank& before = initial[static_cast<std::size_t>(r)];
+      views.push_back({inputs(rk), outputs(rk), outputs(before),
+                       TensorView::of(rk.out.data(), cfg.dtype, {rk.T, H}),
+                       TensorView::of(before.out.data(), cfg.dtype, {rk.T, H})});
+    }
+    const std::string diff = ep_loopback_differs(cfg, views);
+    if (!diff.empty()) return diff;
+  }
   if (R != 1) return "";
   // R = 1: layout + gather + combine of the same ids give the same bits.
   const Rank& rk = ranks[0];

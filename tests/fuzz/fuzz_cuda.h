@@ -53,8 +53,8 @@ struct EpRankViews {
 };
 
 // The same dispatch and combine of every rank on a loopback GpuGroup (R ranks on GPU 0, a stream
-// each): "" when every output has the CPU group's bytes (or the GPU cannot hold the group), else
-// the first difference.
+// each): "" when every output has the CPU group's bytes, else the first difference (or why the
+// loopback group could not be built).
 std::string ep_loopback_differs(const switchyard::ep::GroupConfig& config, const std::vector<EpRankViews>& ranks);
 
 }  // namespace sy_fuzz

@@ -113,6 +113,51 @@ bool is_nan(DType dtype, const void* base, std::int64_t i) {
 
 // ----------------------------------------------------------------------------- route
 
+// route_backward of route()'s picks (routing.h), with gradients of any values: every element
+// written and nothing past, 0 where the logit is not finite and (without softmax) off the picks,
+// the same bits twice, and the CPU's bits on the GPU.
+std::string route_backward_checks(Bytes& b, std::mt19937_64& g, const RoutingConfig& c, const TensorView& logits,
+                                  const TensorView& bias, const TensorView& ids, int mode) {
+  const std::int64_t T = logits.shape[0];
+  const int E = c.num_experts, K = c.top_k;
+  const DType gdt = b.chance(3) ? DType::kBFloat16 : DType::kFloat32;
+  std::vector<std::uint8_t> gw(static_cast<std::size_t>(std::max<std::int64_t>(T * K, 1)) * 4);
+  fill_values(g, gdt, gw.data(), T * K, mode);
+  const TensorView gw_v = TensorView::of(gw.data(), gdt, {T, K});
+  const std::size_t out_bytes = static_cast<std::size_t>(T * E) * switchyard::dtype_size(logits.dtype);
+  Buffer out(out_bytes), again(out_bytes);
+  auto call = [&](Buffer& o) {
+    return switchyard::route_backward(c, logits, bias, ids, gw_v, TensorView::of(o.data(), logits.dtype, {T, E}));
+  };
+  const Status s = call(out);
+  if (!s.ok()) return fail("route_backward of route()'s picks: " + s.to_string());
+  if (!out.poisoned_from(out_bytes)) return fail("route_backward: wrote past grad_logits");
+  std::vector<char> picked(static_cast<std::size_t>(E));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::fill(picked.begin(), picked.end(), 0);
+    for (int k = 0; k < K; ++k) {
+      const std::int64_t id = ids.dtype == DType::kInt32 ? static_cast<const std::int32_t*>(ids.data)[t * K + k]
+                                                         : static_cast<const std::int64_t*>(ids.data)[t * K + k];
+      if (id >= 0 && id < E) picked[static_cast<std::size_t>(id)] = 1;
+    }
+    for (int e = 0; e < E; ++e) {
+      const float v = sy_test::load_as_float(logits.dtype, logits.data, t * logits.strides[0] + e);
+      const bool zero = !std::isfinite(v) || (c.pre != PreFn::kSoftmax && !picked[static_cast<std::size_t>(e)]);
+      if (zero && sy_test::load_as_float(logits.dtype, out.at(0), t * E + e) != 0.0f) {
+        return fail("route_backward: grad_logits[" + std::to_string(t) + "," + std::to_string(e) +
+                    "] is not 0 (logit not finite, or not picked without softmax)");
+      }
+    }
+  }
+  if (!call(again).ok() || again.mem != out.mem) return fail("route_backward: a second call gave other bits");
+  if (!cuda_enabled()) return "";
+  Mirror m;
+  const Status on_device = switchyard::route_backward(
+      c, m.in(logits), m.in(bias), m.in(ids), m.in(gw_v), m.out(TensorView::of(out.data(), logits.dtype, {T, E}),
+                                                                "grad_logits"));
+  return on_gpu("route_backward", m, on_device);
+}
+
 std::string fuzz_route(const std::uint8_t* data, std::size_t size) {
   Bytes b(data, size);
   RoutingConfig c;
@@ -186,12 +231,15 @@ std::string fuzz_route(const std::uint8_t* data, std::size_t size) {
   }
   const Status s2 = call(ids2, w2);
   if (!s2.ok() || ids.mem != ids2.mem || w.mem != w2.mem) return fail("route: a second call gave other bits");
-  if (!cuda_enabled()) return "";
-  Mirror m;
-  const Status on_device = switchyard::route(c, m.in(logits_v), m.in(bias_v),
-                                     m.out(TensorView::of(ids.data(), idt, {T, k_out}), "topk_ids"),
-                                     m.out(TensorView::of(w.data(), wdt, {T, k_out}), "topk_weights"));
-  return on_gpu("route", m, on_device);
+  if (cuda_enabled()) {
+    Mirror m;
+    const Status on_device = switchyard::route(c, m.in(logits_v), m.in(bias_v),
+                                               m.out(TensorView::of(ids.data(), idt, {T, k_out}), "topk_ids"),
+                                               m.out(TensorView::of(w.data(), wdt, {T, k_out}), "topk_weights"));
+    const std::string diff = on_gpu("route", m, on_device);
+    if (!diff.empty()) return diff;
+  }
+  return route_backward_checks(b, g, c, logits_v, bias_v, TensorView::of(ids.data(), idt, {T, K}), mode);
 }
 
 // ----------------------------------------------------------------------------- layout
@@ -406,6 +454,66 @@ std::string fuzz_gather(const std::uint8_t* data, std::size_t size) {
   return on_gpu("gather", m, on_device);
 }
 
+// combine_backward (permute.h) of the same layout, y and weights, with gradients of any values:
+// grad_y_perm row by row (a pick's row: w * grad_out rounded once, NaN as any NaN; other rows 0;
+// nothing past), grad_weights as an fmaf replica in column order, and the CPU's grad_y_perm bits
+// on the GPU (whose grad_weights sums in a tree: its tolerance is the CUDA test's).
+std::string combine_backward_checks(Bytes& b, std::mt19937_64& g, LayoutRun& r, const TensorView& y,
+                                    const TensorView& w, std::int64_t H, int mode) {
+  const std::int64_t T = r.c.T, K = r.c.K, R = r.want.rows;
+  const DType dtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+  const DType gdt = dtypes[b.pick(3)];
+  const bool want_dy = !b.chance(4), want_dw = !want_dy || b.chance(2);
+  std::vector<std::uint8_t> grad(static_cast<std::size_t>(std::max<std::int64_t>(T * H, 1)) * 4);
+  fill_values(g, gdt, grad.data(), T * H, mode);
+  const std::size_t ys = switchyard::dtype_size(y.dtype);
+  Buffer dy(static_cast<std::size_t>(R * H) * ys), dw(static_cast<std::size_t>(T * K) * 4);
+  const TensorView grad_v = TensorView::of(grad.data(), gdt, {T, H});
+  const TensorView dy_v = want_dy ? TensorView::of(dy.data(), y.dtype, {R, H}) : TensorView{};
+  const TensorView dw_v = want_dw ? TensorView::of(dw.data(), DType::kFloat32, {T, K}) : TensorView{};
+  const Status s = switchyard::combine_backward(grad_v, y, r.views(), w, dy_v, dw_v);
+  if (!s.ok()) return "combine_backward: " + s.to_string();
+  if (!dy.poisoned_from(want_dy ? dy.bytes : 0) || !dw.poisoned_from(want_dw ? dw.bytes : 0)) {
+    return "combine_backward: wrote past (or without being asked for) an output";
+  }
+  auto same = [](float got, float want) {
+    return (std::isnan(got) && std::isnan(want)) || sy_test::f32_bits(got) == sy_test::f32_bits(want);
+  };
+  auto rounded = [&](float v) {
+    if (y.dtype == DType::kBFloat16) return sy_test::bf16_value(sy_test::bf16_bits(v));
+    if (y.dtype == DType::kFloat16) return sy_test::fp16_value(sy_test::fp16_bits(v));
+    return v;
+  };
+  for (std::int64_t p = 0; want_dy && p < R; ++p) {
+    const std::int32_t t = r.p2t[static_cast<std::size_t>(p)];
+    const bool pick = t >= 0 && t < T;
+    const std::int64_t x = pick ? r.p2x[static_cast<std::size_t>(p)] : -1;
+    const float wv = pick && w.data != nullptr ? sy_test::load_as_float(w.dtype, w.data, x) : 1.0f;
+    for (std::int64_t h = 0; h < H; ++h) {
+      const float want = pick ? rounded(wv * sy_test::load_as_float(gdt, grad.data(), t * H + h)) : 0.0f;
+      if (!same(sy_test::load_as_float(y.dtype, dy.at(0), p * H + h), want)) {
+        return "combine_backward: grad_y_perm[" + std::to_string(p) + "," + std::to_string(h) + "]";
+      }
+    }
+  }
+  for (std::int64_t x = 0; want_dw && x < T * K; ++x) {
+    const std::int32_t p = r.x2p[static_cast<std::size_t>(x)];
+    float want = 0.0f;
+    for (std::int64_t h = 0; p >= 0 && h < H; ++h) {
+      want = std::fma(sy_test::load_as_float(gdt, grad.data(), (x / K) * H + h),
+                      sy_test::load_as_float(y.dtype, y.data, p * y.strides[0] + h), want);
+    }
+    if (!same(sy_test::load_as_float(DType::kFloat32, dw.at(0), x), want)) {
+      return "combine_backward: grad_weights[" + std::to_string(x / K) + "," + std::to_string(x % K) + "]";
+    }
+  }
+  if (!cuda_enabled() || !want_dy) return "";
+  Mirror m;
+  const Status on_device = switchyard::combine_backward(m.in(grad_v), m.in(y), m.in(r.views()), m.in(w),
+                                                        m.out(dy_v, "grad_y_perm"), TensorView{});
+  return on_gpu("combine_backward", m, on_device);
+}
+
 std::string fuzz_combine(const std::uint8_t* data, std::size_t size) {
   Bytes b(data, size);
   LayoutRun r;
@@ -457,13 +565,17 @@ std::string fuzz_combine(const std::uint8_t* data, std::size_t size) {
     }
   }
   if (!out.poisoned_from(out.bytes)) return "combine: wrote past out";
-  if (!cuda_enabled()) return "";
-  Mirror m;
-  const Status on_device = switchyard::combine(
-      m.in(TensorView::of(y.data(), ydt, {R, H}).with_row_stride(stride)), m.in(r.views()),
-      m.in(wkind ? TensorView::of(w.data(), wdt, {T, K}) : TensorView{}),
-      m.out(TensorView::of(out.data(), odt, {T, H}), "out", accumulate ? before.data() : nullptr), accumulate);
-  return on_gpu("combine", m, on_device);
+  if (cuda_enabled()) {
+    Mirror m;
+    const Status on_device = switchyard::combine(
+        m.in(TensorView::of(y.data(), ydt, {R, H}).with_row_stride(stride)), m.in(r.views()),
+        m.in(wkind ? TensorView::of(w.data(), wdt, {T, K}) : TensorView{}),
+        m.out(TensorView::of(out.data(), odt, {T, H}), "out", accumulate ? before.data() : nullptr), accumulate);
+    const std::string diff = on_gpu("combine", m, on_device);
+    if (!diff.empty()) return diff;
+  }
+  return combine_backward_checks(b, g, r, TensorView::of(y.data(), ydt, {R, H}).with_row_stride(stride),
+                                 wkind ? TensorView::of(w.data(), wdt, {T, K}) : TensorView{}, H, mode);
 }
 
 // ----------------------------------------------------------------------------- route_and_layout

@@ -61,7 +61,7 @@ if has build; then
 fi
 
 if has test; then
-  for t in test_routing_cuda test_layout_cuda test_permute_cuda; do
+  for t in test_routing_cuda test_route_backward_cuda test_layout_cuda test_permute_cuda; do
     start=$(date +%s)
     timeout 400 "$B/tests/$t" --gtest_brief=1 >"$RES/$t.log" 2>&1
     rc=$?
@@ -147,7 +147,7 @@ fi
 
 if has sanitize; then
   for tool in memcheck racecheck; do
-    for t in test_routing_cuda test_layout_cuda test_permute_cuda; do
+    for t in test_routing_cuda test_route_backward_cuda test_layout_cuda test_permute_cuda; do
       if [ "$SECONDS" -gt "${TIME_BUDGET:-100000}" ]; then echo "compute-sanitizer $tool $t: skipped (time budget)"; continue; fi
       # Per-binary filters keep the sanitizer runs short: SAN_FILTER_test_routing_cuda=... etc.;
       # the defaults below reach every kernel (layout: one-block, cluster and chunked paths).
@@ -157,7 +157,7 @@ if has sanitize; then
       case "$t" in
         test_routing_cuda) def="RoutingCuda.TieHeavy:RoutingCuda.GroupLimits:RoutingCuda.LaneHeavy" ;;
         test_layout_cuda) def="LayoutCuda.PathBoundaries:LayoutCuda.EdgeCases:LayoutCuda.RouteAndLayoutMatchesCpu" ;;
-        test_permute_cuda) def="PermuteCuda.GatherSweep:PermuteCuda.CombineSweep:PermuteCuda.EmptyInputs" ;;
+        test_permute_cuda) def="PermuteCuda.GatherSweep:PermuteCuda.CombineSweep:PermuteCuda.CombineBackwardSweep:PermuteCuda.EmptyInputs" ;;
         *) def="*" ;;
       esac
       filt="${!var:-${SANITIZE_FILTER:-$def}}"

@@ -1,0 +1,70 @@
+// The routing kernels of route_warp.cuh's row shapes compile in kShapeUnits translation units,
+// routing_shapes_<unit>.cu, so that the build runs them in parallel: unit u instantiates
+// launch_route_shape (route_shape_launch.cuh) for the shape indices [kShapeUnitFirst[u],
+// kShapeUnitFirst[u + 1]) of kShapeTable, and shape_launcher(index) finds it from routing.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstddef>
+
+#include "cuda/routing/route_warp.cuh"
+#include "switchyard/status.h"
+
+namespace switchyard::cuda::routing {
+
+using ShapeLauncher = Status (*)(const RouteParams&, const RouteChoice&, cudaStream_t);
+template <std::size_t N>
+using ShapeLauncherTable = std::array<ShapeLauncher, N>;
+
+// Units of about equal compile time: 75, 86, 92 and 66 kernels (the last ones widest).
+inline constexpr int kShapeUnits = 4;
+inline constexpr int kShapeUnitFirst[kShapeUnits + 1] = {0, 9, 15, 21, kNumShapes};
+
+constexpr int shape_unit(int index) {
+  int u = 0;
+  while (u + 1 < kShapeUnits && index >= kShapeUnitFirst[u + 1]) ++u;
+  return u;
+}
+
+// Entries of one shape type (the same W, S, D) share a unit: in two units, its kernels would be
+// compiled twice.
+constexpr bool shape_units_disjoint() {
+  for (int i = 0; i < kNumShapes; ++i) {
+    for (int j = i + 1; j < kNumShapes; ++j) {
+      const ShapeEntry &a = kShapeTable[i], &b = kShapeTable[j];
+      if (a.w == b.w && a.s == b.s && a.d == b.d && shape_unit(i) != shape_unit(j)) return false;
+    }
+  }
+  return true;
+}
+static_assert(shape_units_disjoint(), "a row shape in two units");
+
+// Unit kUnit's launcher of shape `index` (in its range); defined in routing_shapes_<kUnit>.cu.
+template <int kUnit>
+ShapeLauncher unit_shape_launcher(int index);
+template <>
+ShapeLauncher unit_shape_launcher<0>(int index);
+template <>
+ShapeLauncher unit_shape_launcher<1>(int index);
+template <>
+ShapeLauncher unit_shape_launcher<2>(int index);
+template <>
+ShapeLauncher unit_shape_launcher<3>(int index);
+static_assert(kShapeUnits == 4, "one declaration above (and one routing_shapes_<unit>.cu) per unit");
+
+inline ShapeLauncher shape_launcher(int index) {
+  switch (shape_unit(index)) {
+    case 0:
+      return unit_shape_launcher<0>(index);
+    case 1:
+      return unit_shape_launcher<1>(index);
+    case 2:
+      return unit_shape_launcher<2>(index);
+    default:
+      return unit_shape_launcher<3>(index);
+  }
+}
+
+}  // namespace switchyard::cuda::routing

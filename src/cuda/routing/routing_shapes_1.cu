@@ -1,0 +1,3 @@
+// Routing kernels of shape unit 1 (route_shapes.h); compiled with -fmad=false.
+#define SY_ROUTE_SHAPE_UNIT 1
+#include "cuda/routing/route_shapes_unit.cuh"

@@ -49,6 +49,23 @@ def find_cuobjdump(explicit):
     return None
 
 
+def stable_name(mangled):
+    """The kernel's mangled name with each anonymous namespace reduced to its source file: nvcc
+    names one _GLOBAL__N__<hash>_<n>_<file>_<hash>, plus _<counter> when a header opens it, and
+    the hashes and counter depend on the machine's paths. The length prefix is recomputed."""
+    out, pos = [], 0
+    for m in re.finditer(r"(\d+)(_GLOBAL__N__)", mangled):
+        if m.start() < pos:
+            continue
+        n = int(m.group(1))
+        ident = mangled[m.start(2):m.start(2) + n]
+        f = re.match(r"_GLOBAL__N__(?:[0-9a-f]+_\d+_)?(\w+?)(?:_[0-9a-f]{8})?(?:_\d+)?$", ident)
+        short = "_GLOBAL__N__" + (f.group(1) if f else ident[len("_GLOBAL__N__"):])
+        out.append(mangled[pos:m.start()] + f"{len(short)}{short}")
+        pos = m.start(2) + n
+    return "".join(out) + mangled[pos:]
+
+
 def resources(cuobjdump, build_dir):
     objs = sorted(glob.glob(os.path.join(build_dir, OBJECTS)))
     if not objs:
@@ -60,8 +77,7 @@ def resources(cuobjdump, build_dir):
         for line in text.splitlines():
             m = re.match(r"\s*Function (\S+):", line)
             if m:
-                # Anonymous-namespace names carry a hash of the source path: drop it.
-                name = re.sub(r"_GLOBAL__N__[0-9a-f]+_\d+_(\w+?)_[0-9a-f]{8}", r"_GLOBAL__N__\1", m.group(1))
+                name = stable_name(m.group(1))
                 continue
             if name and "REG:" in line:
                 vals = dict(f.split(":", 1) for f in line.split())

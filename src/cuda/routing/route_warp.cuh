@@ -5,10 +5,10 @@
 // STABLE INTERFACE (other kernels call it; keep these signatures):
 //
 //   RouteParams make_route_params(const detail::RouteArgs& args);            // host
-//   Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, int top_k, F&& f,
-//                               PreFn pre, bool narrow_spec, const RouteChoice& choice);  // host
-//       calls f(Shape{}) with the RouteShape<W, S, D> for E, T, K and the pre function
-//       (route_shape_index), returns its Status; Unsupported past kMaxGpuExperts.
+//   int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre, bool narrow_spec,
+//                         int top_k, const RouteChoice& choice);                  // host
+//       the kShapeTable entry (ShapeAt<index>: RouteShape<W, S, D>) for E, T, K and the pre
+//       function, or -1 past kMaxGpuExperts; route_shapes.h maps it to its launcher.
 //   std::size_t route_smem_bytes_per_warp<Shape, bool kPackedTopK = true>(const RouteParams& p);
 //       host: dynamic shared memory each warp of route_warp<Shape, ..., kPackedTopK> must own
 //       (group limits; the row's keys for the packed candidate buffers).
@@ -438,28 +438,8 @@ inline int route_shape_index(int num_experts, std::int64_t num_tokens, PreFn pre
   return -1;
 }
 
-template <typename F, int... I>
-Status dispatch_route_shape_impl(int index, F&& f, std::integer_sequence<int, I...>) {
-  return dispatch_value<I...>("route shape index", index,
-                              [&](auto c) { return f(ShapeAt<decltype(c)::value>{}); });
-}
-
-// Calls f(Shape{}) with the shape for E, T, K, the pre function, narrow_spec and the knobs' choice
-// (route_shape_index).
-template <typename F>
-Status dispatch_route_shape(int num_experts, std::int64_t num_tokens, int top_k, F&& f, PreFn pre,
-                            bool narrow_spec, const RouteChoice& choice) {
-  const int index = route_shape_index(num_experts, num_tokens, pre, narrow_spec, top_k, choice);
-  if (index < 0) {
-    return Status::Unsupported("route: E = " + std::to_string(num_experts) +
-                               " exceeds the CUDA backend's maximum of " +
-                               std::to_string(kShapeTable[kNumShapes - 1].max_experts));
-  }
-  return dispatch_route_shape_impl(index, std::forward<F>(f), std::make_integer_sequence<int, kNumShapes>{});
-}
-
-// Flattens validated arguments. E past the shape table is left to dispatch_route_shape to
-// reject.
+// Flattens validated arguments. E past the shape table is left to route() (route_shape_index -1)
+// to reject.
 inline RouteParams make_route_params(const detail::RouteArgs& a) {
   RouteParams p;
   const RoutingConfig& c = a.config;

@@ -106,10 +106,10 @@ sy_decide_cuda() {
     echo "setup: $reason, but build/ was configured with the CUDA backend before: keeping it (--cpu or SWITCHYARD_CUDA=0 switches to the CPU backend only)"
   else
     SY_CUDA=OFF
-    echo "setup: $reason: building the CPU backend only (--cuda or SWITCHYARD_CUDA=1 also compiles the CUDA kernels, about 10 minutes on 2 cores)"
+    echo "setup: $reason: building the CPU backend only (--cuda or SWITCHYARD_CUDA=1 also compiles the CUDA kernels, about 5 minutes on 2 cores)"
   fi
   if [ "$SY_CUDA" = ON ] && ! compgen -G "$SY_BUILD/src/CMakeFiles/switchyard.dir/cuda/*/*.cu.o" >/dev/null; then
-    echo "setup: the CUDA kernels compile from scratch now: about 10 minutes with 2 jobs (routing.cu alone takes about 8), less with more cores; progress below"
+    echo "setup: the CUDA kernels compile from scratch now: about 5 minutes with 2 jobs (the routing kernels, in five units, most of it), less with more cores; progress below"
   fi
 }
 

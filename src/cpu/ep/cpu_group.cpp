@@ -27,6 +27,7 @@
 #include "common/ep_memory.h"
 #include "common/numeric.h"
 #include "common/validate.h"
+#include "cpu/elements.h"
 #include "switchyard/ep.h"
 #include "switchyard/permute.h"
 
@@ -357,33 +358,8 @@ Status CpuGroup::dispatch(int rank, const DispatchInputs& in, const DispatchOutp
 // ---------------------------------------------------------------------------------------------
 // Combine.
 
-namespace {
-
-float load_value(const void* base, DType dtype, std::int64_t i) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return switchyard::detail::bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
-    case DType::kFloat16:
-      return switchyard::detail::fp16_to_float(static_cast<const std::uint16_t*>(base)[i]);
-    default:
-      return static_cast<const float*>(base)[i];
-  }
-}
-
-void store_value(void* base, DType dtype, std::int64_t i, float v) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      static_cast<std::uint16_t*>(base)[i] = switchyard::detail::float_to_bf16(v);
-      break;
-    case DType::kFloat16:
-      static_cast<std::uint16_t*>(base)[i] = switchyard::detail::float_to_fp16(v);
-      break;
-    default:
-      static_cast<float*>(base)[i] = v;
-  }
-}
-
-}  // namespace
+using cpu::load_float;
+using cpu::store_float;
 
 Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in, const TensorView& out,
                          bool accumulate) {
@@ -455,11 +431,11 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
         const float w = in.weighted ? mine.weights[static_cast<std::size_t>(i * K + k)] : 1.0f;
         for (std::int64_t h = 0; h < H; ++h) {
           acc[h] = switchyard::detail::cuda_nan_if_nan(
-              std::fmaf(w, load_value(in.y.data, in.y.dtype, p * y_stride + h), acc[h]));
+              std::fmaf(w, load_float(in.y.data, in.y.dtype, p * y_stride + h), acc[h]));
         }
       }
     } else {
-      for (std::int64_t h = 0; h < H; ++h) acc[h] = load_value(in.y.data, in.y.dtype, i * y_stride + h);
+      for (std::int64_t h = 0; h < H; ++h) acc[h] = load_float(in.y.data, in.y.dtype, i * y_stride + h);
     }
     if (c.partial_dtype == DType::kBFloat16) {
       for (std::int64_t h = 0; h < H; ++h) acc[h] = switchyard::detail::bf16_to_float(switchyard::detail::float_to_bf16(acc[h]));
@@ -486,8 +462,8 @@ Status CpuGroup::combine(int rank, const Handle& handle, const CombineInputs& in
     if (!any) std::fill(sum.begin(), sum.end(), 0.0f);
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t o = t * H + h;
-      store_value(out.data, out.dtype, o,
-                  accumulate ? switchyard::detail::cuda_nan_if_nan(sum[h] + load_value(out.data, out.dtype, o))
+      store_float(out.data, out.dtype, o,
+                  accumulate ? switchyard::detail::cuda_nan_if_nan(sum[h] + load_float(out.data, out.dtype, o))
                              : sum[h]);
     }
     if (in.pick_values_out.data != nullptr) {

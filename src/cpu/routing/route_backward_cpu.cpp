@@ -8,36 +8,13 @@
 #include "common/route_backward_math.h"
 #include "common/routing_math.h"
 #include "cpu/backend.h"
+#include "cpu/elements.h"
 #include "cpu/parallel.h"
+#include "cpu/routing/routing_cpu.h"
 
 namespace switchyard::cpu {
 
 namespace {
-
-float load_float(const void* base, DType dtype, std::int64_t i) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return detail::bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
-    case DType::kFloat16:
-      return detail::fp16_to_float(static_cast<const std::uint16_t*>(base)[i]);
-    default:
-      return static_cast<const float*>(base)[i];
-  }
-}
-
-void store_float(void* base, DType dtype, std::int64_t i, float v) {
-  v = detail::cuda_nan_if_nan(v);
-  switch (dtype) {
-    case DType::kBFloat16:
-      static_cast<std::uint16_t*>(base)[i] = detail::float_to_bf16(v);
-      break;
-    case DType::kFloat16:
-      static_cast<std::uint16_t*>(base)[i] = detail::float_to_fp16(v);
-      break;
-    default:
-      static_cast<float*>(base)[i] = v;
-  }
-}
 
 std::int64_t load_id(const void* ids, DType dtype, std::int64_t i) {
   return dtype == DType::kInt64 ? static_cast<const std::int64_t*>(ids)[i] : static_cast<const std::int32_t*>(ids)[i];
@@ -56,21 +33,8 @@ Status route_backward(const detail::RouteBackwardArgs& a) {
     std::vector<char> valid(K);
     for (std::int64_t t = t0; t < t1; ++t) {
       for (int e = 0; e < E; ++e) s[e] = load_float(r.logits, r.logits_dtype, t * r.logits_row_stride + e);
-      // Softmax: the row's max over its finite logits and the canonical denominator.
       float m = detail::neg_inf(), sum = 0.0f;
-      if (softmax) {
-        for (int e = 0; e < E; ++e)
-          if (detail::is_finite(s[e]) && s[e] > m) m = s[e];
-        float partial[detail::kSoftmaxLanes] = {};
-        for (int e = 0; e < E; ++e)
-          if (detail::is_finite(s[e])) partial[detail::softmax_partial_of(e)] += detail::exp_f32(s[e] - m);
-        for (int offset = detail::kSoftmaxLanes / 2; offset >= 1; offset /= 2) {
-          float next[detail::kSoftmaxLanes];
-          for (int j = 0; j < detail::kSoftmaxLanes; ++j) next[j] = partial[j] + partial[j ^ offset];
-          std::copy(next, next + detail::kSoftmaxLanes, partial);
-        }
-        sum = partial[0];
-      }
+      if (softmax) canonical_softmax_terms(s.data(), E, &m, &sum);
       for (int k = 0; k < K; ++k) {
         id[k] = load_id(r.topk_ids, r.ids_dtype, t * K + k);
         bool ok = id[k] >= 0 && id[k] < E && detail::is_finite(s[id[k]]);
@@ -91,7 +55,7 @@ Status route_backward(const detail::RouteBackwardArgs& a) {
       for (int e = 0; e < E; ++e) {
         float v = 0.0f;
         if (softmax && detail::is_finite(s[e])) v = detail::pre_value(c.pre, s[e], m, sum) * (0.0f - cs);
-        store_float(a.grad_logits, r.logits_dtype, t * E + e, v);
+        store_float(a.grad_logits, r.logits_dtype, t * E + e, detail::cuda_nan_if_nan(v));
       }
       // ... then the picked experts, dp = their picks' dg summed in k order.
       for (int k = 0; k < K; ++k) {
@@ -104,7 +68,7 @@ Status route_backward(const detail::RouteBackwardArgs& a) {
           first = false;
         }
         const float v = softmax ? g[k] * (dp - cs) : detail::pre_backward_elementwise(c.pre, s[id[k]], g[k], dp);
-        store_float(a.grad_logits, r.logits_dtype, t * E + id[k], v);
+        store_float(a.grad_logits, r.logits_dtype, t * E + id[k], detail::cuda_nan_if_nan(v));
       }
     }
   });

@@ -10,7 +10,9 @@
 #include "common/op_args.h"
 #include "common/routing_math.h"
 #include "cpu/backend.h"
+#include "cpu/elements.h"
 #include "cpu/parallel.h"
+#include "cpu/routing/routing_cpu.h"
 
 namespace switchyard::cpu {
 
@@ -19,14 +21,6 @@ namespace {
 using detail::canonical_score;
 using detail::is_finite;
 using detail::ranks_before;
-
-float load_float(const void* base, DType dtype, std::int64_t i) {
-  switch (dtype) {
-    case DType::kBFloat16: return detail::bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
-    case DType::kFloat16: return detail::fp16_to_float(static_cast<const std::uint16_t*>(base)[i]);
-    default: return static_cast<const float*>(base)[i];
-  }
-}
 
 // Per-thread scratch for one row.
 struct RowScratch {
@@ -42,18 +36,8 @@ void pre_scores(PreFn pre, const float* s, int E, float* p) {
     for (int e = 0; e < E; ++e) p[e] = detail::pre_elementwise(pre, s[e]);
     return;
   }
-  float m = detail::neg_inf();
-  for (int e = 0; e < E; ++e)
-    if (is_finite(s[e]) && s[e] > m) m = s[e];
-  float partial[detail::kSoftmaxLanes] = {};
-  for (int e = 0; e < E; ++e)
-    if (is_finite(s[e])) partial[detail::softmax_partial_of(e)] += detail::exp_f32(s[e] - m);
-  for (int offset = detail::kSoftmaxLanes / 2; offset >= 1; offset /= 2) {
-    float next[detail::kSoftmaxLanes];
-    for (int j = 0; j < detail::kSoftmaxLanes; ++j) next[j] = partial[j] + partial[j ^ offset];
-    std::copy(next, next + detail::kSoftmaxLanes, partial);
-  }
-  const float sum = partial[0];
+  float m = 0.0f, sum = 0.0f;
+  canonical_softmax_terms(s, E, &m, &sum);
   for (int e = 0; e < E; ++e) p[e] = is_finite(s[e]) ? detail::exp_f32(s[e] - m) / sum : s[e];
 }
 
@@ -130,6 +114,22 @@ Status route(const detail::RouteArgs& args) {
     for (std::int64_t t = begin; t < end; ++t) route_row(args, t, s, scratch);
   });
   return Status::Ok();
+}
+
+void canonical_softmax_terms(const float* s, int E, float* m, float* sum) {
+  float max = detail::neg_inf();
+  for (int e = 0; e < E; ++e)
+    if (is_finite(s[e]) && s[e] > max) max = s[e];
+  float partial[detail::kSoftmaxLanes] = {};
+  for (int e = 0; e < E; ++e)
+    if (is_finite(s[e])) partial[detail::softmax_partial_of(e)] += detail::exp_f32(s[e] - max);
+  for (int offset = detail::kSoftmaxLanes / 2; offset >= 1; offset /= 2) {
+    float next[detail::kSoftmaxLanes];
+    for (int j = 0; j < detail::kSoftmaxLanes; ++j) next[j] = partial[j] + partial[j ^ offset];
+    std::copy(next, next + detail::kSoftmaxLanes, partial);
+  }
+  *m = max;
+  *sum = partial[0];
 }
 
 }  // namespace switchyard::cpu

@@ -596,31 +596,38 @@ void check_combine_case(const CombineCase& c, std::uint64_t seed) {
   }
 }
 
+// The shape of sweep case i: T, E, K, M and H rotating through the sweep lists (H capped so that
+// T * K * H stays small), and y's row stride.
+CombineCase sweep_shape(int i) {
+  static const std::int64_t hiddens[] = {1, 7, 8, 64, 129, 300};
+  CombineCase c;
+  c.T = kTs[1 + i % 6];
+  c.E = kEs[i % 6];
+  c.K = std::min(kKs[(i + i / 6) % 6], c.E);
+  c.M = kMs[i % 5];
+  c.H = hiddens[(i / 2) % 6];
+  if (c.T * c.K * c.H > (std::int64_t{1} << 19)) c.H = i % 2 == 0 ? 8 : 3;
+  c.y_stride_extra = i % 3 == 0 ? 0 : 5;
+  return c;
+}
+
 TEST(CombineCpu, SweepDtypesWeightsAccumulate) {
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
   const DType dtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
   const WeightMode weights[] = {WeightMode::kNone, WeightMode::kFp32, WeightMode::kBf16};
-  const std::int64_t hiddens[] = {1, 7, 8, 64, 129, 300};
   int i = 0;
   // Every (y dtype, out dtype, weights, accumulate) combination, the shape axes rotating.
   for (const DType y_dtype : dtypes) {
     for (const DType out_dtype : dtypes) {
       for (const WeightMode w : weights) {
         for (const bool accumulate : {false, true}) {
-          CombineCase c;
-          c.T = kTs[1 + i % 6];
-          c.E = kEs[i % 6];
-          c.K = std::min(kKs[(i + i / 6) % 6], c.E);
-          c.M = kMs[i % 5];
-          c.H = hiddens[(i / 2) % 6];
-          if (c.T * c.K * c.H > (std::int64_t{1} << 19)) c.H = i % 2 == 0 ? 8 : 3;
+          CombineCase c = sweep_shape(i);
           c.y_dtype = y_dtype;
           c.out_dtype = out_dtype;
           c.weights = w;
           c.accumulate = accumulate;
-          c.y_stride_extra = i % 3 == 0 ? 0 : 5;
           check_combine_case(c, g());
           ++i;
         }
@@ -828,21 +835,14 @@ TEST(CombineBackwardCpu, SweepDtypesWeightsAndOutputs) {
   std::mt19937_64 g(seed);
   const DType dtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
   const WeightMode weights[] = {WeightMode::kNone, WeightMode::kFp32, WeightMode::kBf16};
-  const std::int64_t hiddens[] = {1, 7, 8, 64, 129, 300};
   int i = 0;
   for (const DType y_dtype : dtypes) {
     for (const DType grad_dtype : dtypes) {
       for (const WeightMode w : weights) {
         BackwardCase b;
-        b.c.T = kTs[1 + i % 6];
-        b.c.E = kEs[i % 6];
-        b.c.K = std::min(kKs[(i + i / 6) % 6], b.c.E);
-        b.c.M = kMs[i % 5];
-        b.c.H = hiddens[(i / 2) % 6];
-        if (b.c.T * b.c.K * b.c.H > (std::int64_t{1} << 19)) b.c.H = i % 2 == 0 ? 8 : 3;
+        b.c = sweep_shape(i);
         b.c.y_dtype = y_dtype;
         b.c.weights = w;
-        b.c.y_stride_extra = i % 3 == 0 ? 0 : 5;
         b.grad_dtype = grad_dtype;
         b.grad_stride_extra = i % 2 == 0 ? 0 : 3;
         b.want_dy = i % 7 != 3;

@@ -15,6 +15,7 @@
 
 #include "common/cuda_test_util.h"
 #include "common/float_formats.h"
+#include "common/routing_names.h"
 #include "common/test_data.h"
 #include "switchyard/routing.h"
 
@@ -72,12 +73,7 @@ void run_case(const Case& c, std::uint64_t seed) {
   if (c.bias) {
     for (int e = 0; e < E; ++e) bias.push_back(c.non_finite && e % 7 == 3 ? NAN : 0.1f * n(g));
   }
-  RoutingConfig cfg;
-  cfg.num_experts = E;
-  cfg.top_k = K;
-  cfg.pre = c.pre;
-  cfg.post = c.post;
-  cfg.scale = c.scale;
+  const RoutingConfig cfg = sy_test::make_config(E, K, c.pre, c.post, c.scale);
   const Device cpu = Device::cpu(), gpu = Device::cuda();
   auto lview = [&](void* p, Device d) { return TensorView::of(p, c.dtype, {T, E}, d).with_row_stride(stride); };
   auto bview = [&](void* p, Device d) { return c.bias ? TensorView::of(p, DType::kFloat32, {E}, d) : TensorView{}; };

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/float_formats.h"
+#include "common/routing_names.h"
 #include "common/test_data.h"
 #include "switchyard/routing.h"
 
@@ -146,16 +147,6 @@ void store(DType dtype, std::vector<std::uint8_t>* b, std::int64_t i, float v) {
   }
 }
 
-RoutingConfig config_of(const Case& c) {
-  RoutingConfig r;
-  r.num_experts = c.E;
-  r.top_k = c.K;
-  r.pre = c.pre;
-  r.post = c.post;
-  r.scale = c.scale;
-  return r;
-}
-
 void run_case(const Case& c, std::uint64_t seed) {
   SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
   std::mt19937_64 g(seed);
@@ -178,7 +169,7 @@ void run_case(const Case& c, std::uint64_t seed) {
   const TensorView bv = c.bias ? TensorView::of(bias.data(), DType::kFloat32, {E}, cpu) : TensorView{};
   std::vector<std::int32_t> ids(static_cast<std::size_t>(T * K));
   std::vector<float> w(static_cast<std::size_t>(T * K));
-  const RoutingConfig cfg = config_of(c);
+  const RoutingConfig cfg = sy_test::make_config(c.E, c.K, c.pre, c.post, c.scale);
   Status st = switchyard::route(cfg, lv, bv, TensorView::of(ids.data(), DType::kInt32, {T, K}, cpu),
                                 TensorView::of(w.data(), DType::kFloat32, {T, K}, cpu));
   ASSERT_TRUE(st.ok()) << st.to_string();
@@ -250,10 +241,7 @@ TEST(RouteBackwardCpu, EveryPreAndPostFunction) {
 
 TEST(RouteBackwardCpu, ArgumentsAreCheckedAndNamed) {
   const Device cpu = Device::cpu();
-  RoutingConfig cfg;
-  cfg.num_experts = 8;
-  cfg.top_k = 2;
-  cfg.pre = PreFn::kSoftmax;
+  const RoutingConfig cfg = sy_test::make_config(8, 2, PreFn::kSoftmax, PostFn::kSoftmax);
   std::vector<float> logits(3 * 8, 0.5f), dw(6, 1.0f), out(3 * 8, 7.0f);
   std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5};
   const TensorView l = TensorView::of(logits.data(), DType::kFloat32, {3, 8}, cpu);

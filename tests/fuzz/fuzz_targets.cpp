@@ -107,6 +107,11 @@ void fill_values(std::mt19937_64& g, DType dtype, void* out, std::int64_t count,
   }
 }
 
+// Element x of int32 or int64 ids.
+std::int64_t id_at(DType dtype, const void* ids, std::int64_t x) {
+  return dtype == DType::kInt32 ? static_cast<const std::int32_t*>(ids)[x] : static_cast<const std::int64_t*>(ids)[x];
+}
+
 bool is_nan(DType dtype, const void* base, std::int64_t i) {
   return std::isnan(sy_test::load_as_float(dtype, base, i));
 }
@@ -136,8 +141,7 @@ std::string route_backward_checks(Bytes& b, std::mt19937_64& g, const RoutingCon
   for (std::int64_t t = 0; t < T; ++t) {
     std::fill(picked.begin(), picked.end(), 0);
     for (int k = 0; k < K; ++k) {
-      const std::int64_t id = ids.dtype == DType::kInt32 ? static_cast<const std::int32_t*>(ids.data)[t * K + k]
-                                                         : static_cast<const std::int64_t*>(ids.data)[t * K + k];
+      const std::int64_t id = id_at(ids.dtype, ids.data, t * K + k);
       if (id >= 0 && id < E) picked[static_cast<std::size_t>(id)] = 1;
     }
     for (int e = 0; e < E; ++e) {
@@ -220,8 +224,7 @@ std::string fuzz_route(const std::uint8_t* data, std::size_t size) {
     std::vector<std::int64_t> row;
     for (int k = 0; k < K; ++k) {
       const std::int64_t x = t * K + k;
-      const std::int64_t id = idt == DType::kInt32 ? reinterpret_cast<const std::int32_t*>(ids.at(0))[x]
-                                                   : reinterpret_cast<const std::int64_t*>(ids.at(0))[x];
+      const std::int64_t id = id_at(idt, ids.at(0), x);
       if (id < 0 || id >= E) return fail("route: id " + std::to_string(id) + " outside [0, E)");
       row.push_back(id);
       if (is_nan(wdt, w.at(0), x)) return fail("route: a NaN weight");

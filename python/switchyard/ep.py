@@ -349,6 +349,8 @@ class _Group:
         _GROUPS[self.group_id] = weakref.ref(self)
         weakref.finalize(self, _GROUPS.pop, self.group_id, None)
         self._state = torch.zeros(1, dtype=torch.int64, device=device)
+        # ep_combine's pick_values_out when none is asked for (the op's schema takes a tensor).
+        self._no_pick_values = torch.empty(0, dtype=torch.float32, device=device)
 
     def _local_ranks(self) -> Sequence[int]:
         return range(self.num_ranks)
@@ -547,11 +549,9 @@ class _Group:
         return dy, dw
 
     def _combine_call(self, rank: int, handle: Handle, y: Tensor, expert_major: bool, out: Tensor,
-                      accumulate: bool, extras: "_CombineExtras" = None) -> None:
+                      accumulate: bool, extras: _CombineExtras = _CombineExtras()) -> None:
         """The ep_combine op on checked arguments."""
-        extras = extras or _CombineExtras()
-        empty = out.new_empty((0,), dtype=torch.float32)
-        pick_values_out = extras.pick_values_out if extras.pick_values_out is not None else empty
+        pick_values_out = extras.pick_values_out if extras.pick_values_out is not None else self._no_pick_values
         kernel = (_eager_kernel(_ep_combine, y, out, extras.pick_values, pick_values_out)
                   or torch.ops.switchyard.ep_combine)
         kernel(self._state, self.group_id, rank, handle.memory, handle.tokens, handle.expert_major, y,

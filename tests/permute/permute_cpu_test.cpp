@@ -596,6 +596,9 @@ void check_combine_case(const CombineCase& c, std::uint64_t seed) {
   }
 }
 
+constexpr DType kFloatDtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+constexpr WeightMode kWeightModes[] = {WeightMode::kNone, WeightMode::kFp32, WeightMode::kBf16};
+
 // The shape of sweep case i: T, E, K, M and H rotating through the sweep lists (H capped so that
 // T * K * H stays small), and y's row stride.
 CombineCase sweep_shape(int i) {
@@ -615,13 +618,11 @@ TEST(CombineCpu, SweepDtypesWeightsAccumulate) {
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
-  const DType dtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
-  const WeightMode weights[] = {WeightMode::kNone, WeightMode::kFp32, WeightMode::kBf16};
   int i = 0;
   // Every (y dtype, out dtype, weights, accumulate) combination, the shape axes rotating.
-  for (const DType y_dtype : dtypes) {
-    for (const DType out_dtype : dtypes) {
-      for (const WeightMode w : weights) {
+  for (const DType y_dtype : kFloatDtypes) {
+    for (const DType out_dtype : kFloatDtypes) {
+      for (const WeightMode w : kWeightModes) {
         for (const bool accumulate : {false, true}) {
           CombineCase c = sweep_shape(i);
           c.y_dtype = y_dtype;
@@ -833,12 +834,10 @@ TEST(CombineBackwardCpu, SweepDtypesWeightsAndOutputs) {
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 g(seed);
-  const DType dtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
-  const WeightMode weights[] = {WeightMode::kNone, WeightMode::kFp32, WeightMode::kBf16};
   int i = 0;
-  for (const DType y_dtype : dtypes) {
-    for (const DType grad_dtype : dtypes) {
-      for (const WeightMode w : weights) {
+  for (const DType y_dtype : kFloatDtypes) {
+    for (const DType grad_dtype : kFloatDtypes) {
+      for (const WeightMode w : kWeightModes) {
         BackwardCase b;
         b.c = sweep_shape(i);
         b.c.y_dtype = y_dtype;

@@ -28,10 +28,12 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
 
+#include "cuda/common/device_props.h"
 #include "switchyard/status.h"
 
 namespace switchyard::cuda {
@@ -118,13 +120,56 @@ inline Status cuda_status(const char* what, cudaError_t err) {
                            ")");
 }
 
-// Streaming multiprocessors of the current device (`op` names the operation in an error).
-inline Status current_sm_count(const char* op, int* sms) {
+// The current device's properties (`op` names the operation in an error), queried once per device
+// and remembered (devices 0 .. kMaxDevicesCached - 1; others are queried on every call).
+inline constexpr int kMaxDevicesCached = 64;
+inline Status current_device_props(const char* op, DeviceProps* props) {
+  struct Cached {
+    std::atomic<bool> ready{false};
+    DeviceProps props;
+  };
+  static Cached cache[kMaxDevicesCached];
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return cuda_status((std::string(op) + ": device query").c_str(), err);
+  const bool cacheable = device >= 0 && device < kMaxDevicesCached;
+  if (cacheable && cache[device].ready.load(std::memory_order_acquire)) {
+    *props = cache[device].props;
+    return Status::Ok();
+  }
+  static std::mutex fill;
+  std::lock_guard<std::mutex> lock(fill);
+  if (cacheable && cache[device].ready.load(std::memory_order_relaxed)) {
+    *props = cache[device].props;
+    return Status::Ok();
+  }
+  int sms = 0, smem_optin = 0, l2 = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
+  if (err != cudaSuccess) return cuda_status((std::string(op) + ": device query").c_str(), err);
+  props->sm_count = sms;
+  props->smem_per_block_optin = static_cast<std::size_t>(smem_optin);
+  props->l2_bytes = static_cast<std::size_t>(l2);
+  if (cacheable) {
+    cache[device].props = *props;
+    cache[device].ready.store(true, std::memory_order_release);
+  }
   return Status::Ok();
+}
+
+// Streaming multiprocessors of the current device (`op` names the operation in an error).
+inline Status current_sm_count(const char* op, int* sms) {
+  DeviceProps props;
+  SY_RETURN_IF_ERROR(current_device_props(op, &props));
+  *sms = props.sm_count;
+  return Status::Ok();
+}
+
+// The kernel's signature as the host compiler spells it (routing's RoutePlan::name).
+template <auto kKernel>
+const char* kernel_name() {
+  return __PRETTY_FUNCTION__;
 }
 
 // The launch attributes of launch_kernel: programmatic stream serialization (PDL) when `pdl`, a
@@ -180,8 +225,6 @@ Status launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid,
   return launch_kernel_with(name, kernel, grid, block, smem_bytes, stream, pdl, 0u, false,
                             std::forward<Args>(args)...);
 }
-
-constexpr int kMaxDevicesCached = 64;
 
 // Sets a kernel attribute whose larger values include the smaller ones (a shared-memory size, a
 // 0/1 permission) to at least `value` on the current device, remembering per device the largest

@@ -33,12 +33,8 @@ namespace switchyard::cuda::routing {
 inline constexpr int kRowsMaxExperts = 16;
 inline constexpr int kRowsMaxTopK = 8;
 
-// Rows of up to 8 / 16 experts from which route_rows serves them (below: route_warp's whole-warp
-// or narrow forms; mixtral-8x7b fp32 T = 65536: 2.65 us against 3.86). At E = 32 / 64 route_rows was
-// slower at every T, so it stops at 16; for 9-16 experts the specialised narrow kernels stay ahead up
-// to 32768 rows (docs/decisions/routing-row-forms.md).
-inline constexpr std::int64_t kRowsMinTokens8 = 128;
-inline constexpr std::int64_t kRowsMinTokens16 = 65536;
+// From kRowsMinTokens8 / 16 rows (route_plan.h) route_rows serves rows of up to 8 / 16 experts; at
+// E = 32 / 64 it was slower at every T, so it stops at 16.
 
 // Whether route_rows can serve p (E, K and the group limit).
 inline bool rows_kernel_fits(const RouteParams& p) {

@@ -1,5 +1,5 @@
 // The whole-warp and narrow-segment routing kernels (route_warp.cuh) and the host code that picks
-// one for a row shape: launch_route_shape<Shape>. Included by the routing_shapes_<unit>.cu
+// one for a row shape: plan_route_shape<Shape>. Included by the routing_shapes_<unit>.cu
 // translation units, each of which instantiates the shapes of one unit (route_shapes.h), and by
 // routing.cu (the streamed segments, rows and staged kernels, and route()). Everything here has
 // internal linkage: each unit's kernels are its own. Compiled with -fmad=false (src/CMakeLists.txt).
@@ -24,6 +24,7 @@ namespace switchyard::cuda {
 namespace {
 
 using routing::RouteParams;
+using routing::RoutePlan;
 
 // The routing kernels' parameters into the constant cache before pdl_wait(), by thread 0 of the
 // first kWarmBlocks blocks (launch.cuh), their fields by name (route_params_xor) rather than through
@@ -37,8 +38,8 @@ using routing::RouteParams;
 // prefetches would compete for HBM with the previous kernel's own loads, which are still the
 // critical path (docs/decisions/l2-prefetch-before-pdl-wait.md).
 constexpr unsigned kPrefetchMaxBlocks = 4 * kWarmBlocks;
-constexpr int kWarpsPerBlock = 8;                    // 256 threads: many rows in flight per SM
-constexpr std::size_t kMaxSmemPerBlock = 48 * 1024;  // no opt-in attribute needed
+using routing::kMaxSmemPerBlock;
+using routing::kWarpsPerBlock;
 
 // Specialised kernels. route_warp branches on the parameters at run time (warp-uniform
 // branches, but they cost issue slots on the hot path and registers: ~100 instructions per row
@@ -59,7 +60,7 @@ enum SpecGroup : int { kSpecGroupNone = 0, kSpecGroupLanes = 1, kSpecGroupChunks
 template <DType kDtype, PreFn kPre, bool kBias, int kGroup, PostFn kPost, bool kEarlyBias = false,
           int kShift = 0>
 struct Spec {};
-constexpr std::int64_t kEarlyBiasMaxTokens = 256;
+using routing::kEarlyBiasMaxTokens;
 
 template <class S>
 struct SpecTraits;
@@ -133,7 +134,7 @@ constexpr int route_min_blocks() {
 }
 
 // kWide: route_warp_wide (E > 512 without a group limit) instead of route_warp. kPackedTopK: the
-// packed candidate buffers (route_warp: see launch_route_shape; route_warp_wide: launch_route_for).
+// packed candidate buffers (route_warp: see plan_route_shape; route_warp_wide: plan_route_for).
 template <class Shape, class SpecT, bool kWide, bool kPackedTopK>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, SpecT, kWide>())
     route_kernel(const RouteParams p0) {
@@ -165,8 +166,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, route_min_blocks<Shape, S
   }
 }
 
+// Fills *plan with kKernel over `blocks` blocks of `threads` threads and `smem` bytes of dynamic
+// shared memory (`prepare`: the kernel's opt-in to more than 48 KB, run before each launch).
+template <auto kKernel>
+Status set_plan(std::int64_t blocks, int threads, std::size_t smem, RoutePlan* plan,
+                Status (*prepare)() = nullptr) {
+  if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
+  plan->kernel = kKernel;
+  plan->name = kernel_name<kKernel>();
+  plan->grid = static_cast<unsigned>(blocks);
+  plan->block = static_cast<unsigned>(threads);
+  plan->smem = smem;
+  plan->prepare = prepare;
+  return Status::Ok();
+}
+
 template <class Shape, class SpecT, bool kWide = false, bool kPackedTopK = true>
-Status launch_route(const RouteParams& p, cudaStream_t stream) {
+Status plan_route_kernel(const RouteParams& p, const DeviceProps& props, RoutePlan* plan) {
   std::size_t smem_per_warp = 0;  // route_warp_wide keeps no row in shared memory
   if constexpr (!kWide) smem_per_warp = routing::route_smem_bytes_per_warp<Shape, kPackedTopK>(p);
   int warps_per_block = kWarpsPerBlock;
@@ -183,19 +199,14 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
   // blocks spread them over more SMs, so that fewer rows share an SM's issue slots (at small T a
   // row's latency is the call's). With 132 SMs and whole-warp rows the rule gives 8-warp blocks from
   // T = 925 on (docs/decisions/routing-specialised-kernels.md).
-  int sms = 0;
-  const Status sm_status = current_sm_count("route", &sms);
-  if (!sm_status.ok()) return sm_status;
   const std::int64_t warps = (p.num_tokens + Shape::kRowsPerWarp - 1) / Shape::kRowsPerWarp;
-  const int n_sm = std::max(sms, 1);
+  const int n_sm = std::max(props.sm_count, 1);
   const std::int64_t spread = (warps + n_sm - 1) / n_sm;
   warps_per_block = static_cast<int>(std::clamp<std::int64_t>(spread, 1, warps_per_block));
   const std::int64_t rows_per_block = static_cast<std::int64_t>(warps_per_block) * Shape::kRowsPerWarp;
   const std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
-  if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
-  return launch_kernel("route: kernel launch", route_kernel<Shape, SpecT, kWide, kPackedTopK>,
-                       dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(warps_per_block * 32)),
-                       smem_per_warp * warps_per_block, stream, /*pdl=*/true, p);
+  return set_plan<route_kernel<Shape, SpecT, kWide, kPackedTopK>>(blocks, warps_per_block * 32,
+                                                                   smem_per_warp * warps_per_block, plan);
 }
 
 // The kernel of SpecT: for wide rows, the one with packed candidate buffers where SpecT is a
@@ -203,16 +214,16 @@ Status launch_route(const RouteParams& p, cudaStream_t stream) {
 // (the streamed narrow segments, W < 32: always packed); otherwise route_warp's, with kPackedTopK =
 // kPacked (narrow segments: the caller checked routing::narrow_packed_fits).
 template <class Shape, class SpecT, bool kWide, bool kPacked = true>
-Status launch_route_for(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
+Status plan_route_for(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan) {
   if constexpr (kWide && Shape::W < 32) {
-    return launch_route<Shape, SpecT, true, true>(p, stream);
+    return plan_route_kernel<Shape, SpecT, true, true>(p, props, plan);
   } else if constexpr (kWide) {
     if constexpr (kSpecialised<SpecT>) {
-      if (routing::wide_packed_buffers(p, choice)) return launch_route<Shape, SpecT, true, true>(p, stream);
+      if (routing::wide_packed_buffers(p, choice)) return plan_route_kernel<Shape, SpecT, true, true>(p, props, plan);
     }
-    return launch_route<Shape, SpecT, true, false>(p, stream);
+    return plan_route_kernel<Shape, SpecT, true, false>(p, props, plan);
   } else {
-    return launch_route<Shape, SpecT, false, kPacked>(p, stream);
+    return plan_route_kernel<Shape, SpecT, false, kPacked>(p, props, plan);
   }
 }
 
@@ -225,34 +236,34 @@ bool first_spec_match(const RouteParams& p, Status* status, const Launch& launch
 
 // Launches the first of the kernels Specs... whose Spec matches p into *status and returns true;
 // false (nothing launched) when none matches. kWide: the wide-row kernels; kPacked: as for
-// launch_route_for.
+// plan_route_for.
 template <class Shape, bool kWide, bool kPacked, class... Specs>
-bool launch_first_match_packed(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream,
+bool plan_first_match_packed(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan,
                                Status* status) {
   return first_spec_match<Specs...>(p, status, [&](auto* spec) {
-    return launch_route_for<Shape, std::remove_pointer_t<decltype(spec)>, kWide, kPacked>(p, choice, stream);
+    return plan_route_for<Shape, std::remove_pointer_t<decltype(spec)>, kWide, kPacked>(p, choice, props, plan);
   });
 }
 template <class Shape, bool kWide, class... Specs>
-bool launch_first_match(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream,
+bool plan_first_match(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan,
                         Status* status) {
-  return launch_first_match_packed<Shape, kWide, true, Specs...>(p, choice, stream, status);
+  return plan_first_match_packed<Shape, kWide, true, Specs...>(p, choice, props, plan, status);
 }
 
 // The first of the kernels Specs... whose Spec matches p; the last one is SpecGeneric, which always
 // does.
 template <class Shape, bool kWide, bool kPacked, class... Specs>
-Status launch_route_spec_packed(const RouteParams& p, const routing::RouteChoice& choice,
-                                cudaStream_t stream) {
+Status plan_route_spec_packed(const RouteParams& p, const routing::RouteChoice& choice,
+                                const DeviceProps& props, RoutePlan* plan) {
   static_assert(std::is_same_v<std::tuple_element_t<sizeof...(Specs) - 1, std::tuple<Specs...>>, SpecGeneric>,
                 "the generic kernel comes last");
   Status status = Status::Ok();
-  launch_first_match_packed<Shape, kWide, kPacked, Specs...>(p, choice, stream, &status);
+  plan_first_match_packed<Shape, kWide, kPacked, Specs...>(p, choice, props, plan, &status);
   return status;
 }
 template <class Shape, bool kWide, class... Specs>
-Status launch_route_spec(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
-  return launch_route_spec_packed<Shape, kWide, true, Specs...>(p, choice, stream);
+Status plan_route_spec(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan) {
+  return plan_route_spec_packed<Shape, kWide, true, Specs...>(p, choice, props, plan);
 }
 
 // The specialised configurations (model families of docs/design.md section 2), for fp32 and bf16
@@ -262,53 +273,53 @@ Status launch_route_spec(const RouteParams& p, const routing::RouteChoice& choic
 // else runs the generic kernel (docs/decisions/routing-specialised-kernels.md; with fp32 logits
 // the T = 4096 wave is unexplainedly sensitive to the register count).
 // Past 4 stripes (513-1024 experts) only rows with a group limit reach these kernels
-// (launch_route_shape): sigmoid + bias -> normalize on either group path.
+// (plan_route_shape): sigmoid + bias -> normalize on either group path.
 // The kernels up to 4 stripes (E <= 512), after First... (checked first).
 template <class Shape, DType kDtype, class... First>
-Status launch_route_up_to_512(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
-  return launch_route_spec<
+Status plan_route_up_to_512(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan) {
+  return plan_route_spec<
       Shape, false, First..., Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
       Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
       Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
       Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
       Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
       Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, choice,
-                                                                                             stream);
+                                                                                             props, plan);
 }
 
 template <class Shape, DType kDtype>
-Status launch_route_dtype(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
+Status plan_route_dtype(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan) {
   if constexpr (Shape::S > 4) {
-    return launch_route_spec<
+    return plan_route_spec<
         Shape, false, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupChunks, PostFn::kNormalize>,
         Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, choice,
-                                                                                               stream);
+                                                                                               props, plan);
   } else if constexpr (Shape::S == 2) {
     // 129 <= E <= 256: DeepSeek-V3's group limit (groups of 32 experts, shift 3) with the shift fixed
     // (route_warp's kGroupShift: butterflies unrolled, pair ranks), early bias first; then
     // DeepSeek-V2's rule (softmax, the chunk group path without lanes: groups of 20 experts, no post
     // function), 20% faster than the generic kernel at T = 65536
     // (docs/decisions/routing-specialised-kernels.md).
-    return launch_route_up_to_512<
+    return plan_route_up_to_512<
         Shape, kDtype, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true, 3>,
         Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>,
-        Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupChunks, PostFn::kNone>>(p, choice, stream);
+        Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupChunks, PostFn::kNone>>(p, choice, props, plan);
   } else {
-    return launch_route_up_to_512<Shape, kDtype>(p, choice, stream);
+    return plan_route_up_to_512<Shape, kDtype>(p, choice, props, plan);
   }
 }
 
 // Wide rows (route_warp_wide, E > 512 without a group limit): the generic kernel (80 registers,
 // a few spilled), and specialised ones for none -> softmax, the wide-2048 preset's rule (56-59
 // registers, 4 blocks per SM), and for sigmoid + bias -> normalize (74-80 registers), each with
-// packed or plain candidate buffers (launch_route_for). Group limits past E = 512 keep route_warp
+// packed or plain candidate buffers (plan_route_for). Group limits past E = 512 keep route_warp
 // (their paths rank from the whole row in registers): packed buffers and specialised sigmoid + bias
 // kernels up to E = 1024, the generic kernel on plain buffers past it.
 // Rows of 513-1024 experts without a group limit, K >= 2: route_warp (the row in registers, packed
-// buffers) instead of route_warp_wide from this many rows on, for bf16 sigmoid + bias -> normalize
-// and fp32 / bf16 none -> softmax; not below it (the wide kernels' rows are shorter) nor for fp32
-// sigmoid + bias (the fp32 row's registers). docs/decisions/routing-wide-rows.md.
-constexpr std::int64_t kWarpForWideMinTokens = 1024;
+// buffers) instead of route_warp_wide from kWarpForWideMinTokens rows on (route_plan.h), for bf16
+// sigmoid + bias -> normalize and fp32 / bf16 none -> softmax; not below it (the wide kernels' rows
+// are shorter) nor for fp32 sigmoid + bias (the fp32 row's registers).
+using routing::kWarpForWideMinTokens;
 
 // Narrow segments (W < 32) that serve many rows (9-64 experts past the whole-warp bounds): the
 // rules of the small-expert models as Specs, fp32 and bf16 logits: softmax -> normalize (DBRX),
@@ -329,9 +340,9 @@ using NarrowSpecs =
     std::tuple<NarrowSoftmaxNormalize<kDtype>, NarrowSoftmax<kDtype>, NarrowNoneSoftmax<kDtype>>;
 
 template <class Shape, bool kPacked, class... Specs>
-Status launch_route_spec_list(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream,
+Status plan_route_spec_list(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan,
                               std::tuple<Specs...>*) {
-  return launch_route_spec_packed<Shape, false, kPacked, Specs..., SpecGeneric>(p, choice, stream);
+  return plan_route_spec_packed<Shape, false, kPacked, Specs..., SpecGeneric>(p, choice, props, plan);
 }
 template <class... Specs>
 bool any_spec_matches(const RouteParams& p, std::tuple<Specs...>*) {
@@ -355,30 +366,30 @@ bool use_narrow_packed(const RouteParams& p, const routing::RouteChoice& choice)
 }
 
 template <class Shape>
-Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream) {
+Status plan_route_shape(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan) {
   if constexpr (Shape::W == 32 && Shape::S > 4) {
     if (p.group_path == routing::kGroupNone) {
       // Up to E = 1024 (kPackedBuffers) and from kWarpForWideMinTokens rows on, the specialised
       // rules whose whole row route_warp holds in registers faster than route_warp_wide streams it
       // (see kWarpForWideMinTokens); everything else stays on the wide kernels.
       if constexpr (routing::kPackedBuffers<Shape>) {
-        if (p.num_tokens >= kWarpForWideMinTokens && p.top_k >= routing::dev::kPackedMinK) {
+        if (p.num_tokens >= kWarpForWideMinTokens && p.top_k >= routing::kPackedMinK) {
           using SigmoidBf16 =
               Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>;
           using SoftmaxF32 = Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
           using SoftmaxBf16 = Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>;
           Status status;
-          if (launch_first_match<Shape, false, SigmoidBf16, SoftmaxF32, SoftmaxBf16>(p, choice, stream,
+          if (plan_first_match<Shape, false, SigmoidBf16, SoftmaxF32, SoftmaxBf16>(p, choice, props, plan,
                                                                                      &status))
             return status;
         }
       }
-      return launch_route_spec<
+      return plan_route_spec<
           Shape, true, Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
           Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
           Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
           Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>, SpecGeneric>(
-          p, choice, stream);
+          p, choice, props, plan);
     }
   }
   if constexpr (routing::kPackedBuffers<Shape>) {
@@ -389,20 +400,20 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
     // take specialised kernels there (25-32 registers): the generic one (48 registers) spent about
     // a quarter of its instructions a row in run-time tests of the rule and the shared-memory
     // sizing (docs/decisions/routing-specialised-kernels.md).
-    if (p.top_k < routing::dev::kPackedMinK) {
+    if (p.top_k < routing::kPackedMinK) {
       if constexpr (Shape::S == 1) {
-        return launch_route_spec_packed<
+        return plan_route_spec_packed<
             Shape, false, false, Spec<DType::kFloat32, PreFn::kNone, false, kSpecGroupNone, PostFn::kSigmoid>,
             Spec<DType::kBFloat16, PreFn::kNone, false, kSpecGroupNone, PostFn::kSigmoid>, SpecGeneric>(
-            p, choice, stream);
+            p, choice, props, plan);
       } else {
-        return launch_route<Shape, SpecGeneric, false, false>(p, stream);
+        return plan_route_kernel<Shape, SpecGeneric, false, false>(p, props, plan);
       }
     }
     if (p.logits_dtype == static_cast<int>(DType::kFloat32))
-      return launch_route_dtype<Shape, DType::kFloat32>(p, choice, stream);
+      return plan_route_dtype<Shape, DType::kFloat32>(p, choice, props, plan);
     if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
-      return launch_route_dtype<Shape, DType::kBFloat16>(p, choice, stream);
+      return plan_route_dtype<Shape, DType::kBFloat16>(p, choice, props, plan);
   }
   if constexpr (routing::kNarrowPacked<Shape>) {
     // Narrow segments: the narrow Specs of the logits dtype (kNarrowSpecs), else the generic kernel, on
@@ -411,24 +422,24 @@ Status launch_route_shape(const RouteParams& p, const routing::RouteChoice& choi
       constexpr bool kPacked = decltype(packed)::value;
       if constexpr (kNarrowSpecs<Shape>) {
         if (p.logits_dtype == static_cast<int>(DType::kFloat32))
-          return launch_route_spec_list<Shape, kPacked>(p, choice, stream,
+          return plan_route_spec_list<Shape, kPacked>(p, choice, props, plan,
                                                         static_cast<NarrowSpecs<DType::kFloat32>*>(nullptr));
         if (p.logits_dtype == static_cast<int>(DType::kBFloat16))
-          return launch_route_spec_list<Shape, kPacked>(p, choice, stream,
+          return plan_route_spec_list<Shape, kPacked>(p, choice, props, plan,
                                                         static_cast<NarrowSpecs<DType::kBFloat16>*>(nullptr));
       }
-      return launch_route<Shape, SpecGeneric, false, kPacked>(p, stream);
+      return plan_route_kernel<Shape, SpecGeneric, false, kPacked>(p, props, plan);
     };
     return use_narrow_packed<Shape>(p, choice) ? launch_narrow(std::true_type{})
                                                : launch_narrow(std::false_type{});
   }
-  return launch_route<Shape, SpecGeneric>(p, stream);
+  return plan_route_kernel<Shape, SpecGeneric>(p, props, plan);
 }
 
 // The launchers of the shape indices [kFirst, kFirst + sizeof...(I)) (route_warp.cuh's kShapeTable).
 template <int kFirst, int... I>
-constexpr routing::ShapeLauncherTable<sizeof...(I)> shape_launchers(std::integer_sequence<int, I...>) {
-  return {&launch_route_shape<routing::ShapeAt<kFirst + I>>...};
+constexpr routing::ShapePlannerTable<sizeof...(I)> shape_planners(std::integer_sequence<int, I...>) {
+  return {&plan_route_shape<routing::ShapeAt<kFirst + I>>...};
 }
 
 }  // namespace

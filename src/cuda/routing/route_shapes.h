@@ -1,7 +1,7 @@
 // The routing kernels of route_warp.cuh's row shapes compile in kShapeUnits translation units,
 // routing_shapes_<unit>.cu, so that the build runs them in parallel: unit u instantiates
-// launch_route_shape (route_shape_launch.cuh) for the shape indices [kShapeUnitFirst[u],
-// kShapeUnitFirst[u + 1]) of kShapeTable, and shape_launcher(index) finds it from routing.cu.
+// plan_route_shape (route_shape_launch.cuh) for the shape indices [kShapeUnitFirst[u],
+// kShapeUnitFirst[u + 1]) of kShapeTable, and shape_planner(index) finds it from routing.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,9 +14,9 @@
 
 namespace switchyard::cuda::routing {
 
-using ShapeLauncher = Status (*)(const RouteParams&, const RouteChoice&, cudaStream_t);
+using ShapePlanner = Status (*)(const RouteParams&, const RouteChoice&, const DeviceProps&, RoutePlan*);
 template <std::size_t N>
-using ShapeLauncherTable = std::array<ShapeLauncher, N>;
+using ShapePlannerTable = std::array<ShapePlanner, N>;
 
 // Units of about equal compile time: 75, 86, 92 and 66 kernels (the last ones widest).
 inline constexpr int kShapeUnits = 4;
@@ -43,27 +43,27 @@ static_assert(shape_units_disjoint(), "a row shape in two units");
 
 // Unit kUnit's launcher of shape `index` (in its range); defined in routing_shapes_<kUnit>.cu.
 template <int kUnit>
-ShapeLauncher unit_shape_launcher(int index);
+ShapePlanner unit_shape_planner(int index);
 template <>
-ShapeLauncher unit_shape_launcher<0>(int index);
+ShapePlanner unit_shape_planner<0>(int index);
 template <>
-ShapeLauncher unit_shape_launcher<1>(int index);
+ShapePlanner unit_shape_planner<1>(int index);
 template <>
-ShapeLauncher unit_shape_launcher<2>(int index);
+ShapePlanner unit_shape_planner<2>(int index);
 template <>
-ShapeLauncher unit_shape_launcher<3>(int index);
+ShapePlanner unit_shape_planner<3>(int index);
 static_assert(kShapeUnits == 4, "one declaration above (and one routing_shapes_<unit>.cu) per unit");
 
-inline ShapeLauncher shape_launcher(int index) {
+inline ShapePlanner shape_planner(int index) {
   switch (shape_unit(index)) {
     case 0:
-      return unit_shape_launcher<0>(index);
+      return unit_shape_planner<0>(index);
     case 1:
-      return unit_shape_launcher<1>(index);
+      return unit_shape_planner<1>(index);
     case 2:
-      return unit_shape_launcher<2>(index);
+      return unit_shape_planner<2>(index);
     default:
-      return unit_shape_launcher<3>(index);
+      return unit_shape_planner<3>(index);
   }
 }
 

@@ -7,12 +7,12 @@
 namespace switchyard::cuda::routing {
 
 template <>
-ShapeLauncher unit_shape_launcher<SY_ROUTE_SHAPE_UNIT>(int index) {
+ShapePlanner unit_shape_planner<SY_ROUTE_SHAPE_UNIT>(int index) {
   constexpr int kFirst = kShapeUnitFirst[SY_ROUTE_SHAPE_UNIT];
   constexpr int kCount = kShapeUnitFirst[SY_ROUTE_SHAPE_UNIT + 1] - kFirst;
-  static constexpr ShapeLauncherTable<kCount> kLaunchers =
-      shape_launchers<kFirst>(std::make_integer_sequence<int, kCount>{});
-  return kLaunchers[static_cast<std::size_t>(index - kFirst)];
+  static constexpr ShapePlannerTable<kCount> kPlanners =
+      shape_planners<kFirst>(std::make_integer_sequence<int, kCount>{});
+  return kPlanners[static_cast<std::size_t>(index - kFirst)];
 }
 
 }  // namespace switchyard::cuda::routing

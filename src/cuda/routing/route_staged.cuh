@@ -78,14 +78,9 @@ inline constexpr int kStagedMaxExperts = 512;
 inline constexpr int kStagedTopK = 8;       // the lists' depth: K <= 8
 inline constexpr int kStagedMaxGroups = 4;  // topk_group <= 4
 inline constexpr int kStagedWarps = 4;      // warps a block
-// The launcher takes the staged kernels for rows of up to kStagedAutoMaxExperts experts, from
-// kStagedMinTokens rows on (staged_min_tokens: from kStagedMinTokensBf16Logits for bf16 logits keyed
-// as they are, never for fp32 logits without a pre function and K < 8). Below 16384 rows a warp's
-// serial chain (~12k instructions a lane) is the call's time (~20 us at T = 4096); deepseek-v3 fp32
-// T = 65536: 46.5 us staged against 57.3 (docs/decisions/routing-staged-kernels.md).
-inline constexpr std::int64_t kStagedMinTokens = 32768;
-inline constexpr std::int64_t kStagedMinTokensBf16Logits = 16384;
-inline constexpr int kStagedAutoMaxExperts = 256;
+// The launcher takes the staged kernels for rows of up to kStagedAutoMaxExperts experts from
+// kStagedMinTokens rows on (route_plan.h; staged_min_tokens): below 16384 rows a warp's serial
+// chain (~12k instructions a lane) is the call's time.
 
 // Shared memory of the staged kernels: the bias (E floats), then per warp kStages stages of 32 rows'
 // chunks (a ring: chunks c + 1 .. c + kStages - 1 are in flight while chunk c is worked on; 48 KB of

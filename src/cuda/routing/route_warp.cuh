@@ -112,54 +112,14 @@
 #include "common/op_args.h"
 #include "common/routing_math.h"
 #include "cuda/common/launch.cuh"
+#include "cuda/routing/route_plan.h"
 #include "switchyard/routing.h"
 #include "switchyard/status.h"
 
 namespace switchyard::cuda::routing {
 
 // ---------------------------------------------------------------------------------------------
-// Parameters (host-built, passed by value to kernels).
-
-enum GroupPath : int {
-  kGroupNone = 0,     // no group limit (or every group kept)
-  kGroupChunks = 1,   // G % 4 == 0 and <= 2 scores per group
-  kGroupGeneric = 2,  // anything else
-};
-
-// Rows from which route_warp_wide puts keys other than those of bf16 / fp16 logits (without pre
-// function or bias) on packed buffers: below it their checks lengthen the slowest row (wide-2048
-// fp32 T = 1024: 19.3 us packed against 14.8 plain; docs/decisions/routing-wide-rows.md).
-inline constexpr std::int64_t kWidePackedMinTokens = 16384;
-
-struct RouteParams {
-  const void* logits = nullptr;
-  std::int64_t row_stride = 0;  // elements
-  std::int64_t num_tokens = 0;
-  int logits_dtype = 0;  // DType
-  int logits_vec = 0;    // 1: 4-element vector loads are aligned for every row
-  const void* bias = nullptr;
-  int bias_dtype = 0;  // DType
-  int bias_vec = 0;
-  void* topk_ids = nullptr;
-  int ids_int64 = 0;
-  void* topk_weights = nullptr;
-  int weights_bf16 = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  PreFn pre = PreFn::kNone;
-  PostFn post = PostFn::kSoftmax;
-  float scale = 1.0f;
-  int group_path = kGroupNone;
-  int n_group = 1;
-  int topk_group = 1;
-  int group_size = 1;        // G = E / n_group
-  int group_take = 1;        // scores summed per group: min(take, G)
-  unsigned group_magic = 0;  // fast division by G (or by G / 4 on the chunk path); 0: divisor 1
-  // Chunk path with G / 4 a power of two <= 32 and n_group <= 32: with 32 lanes per row the
-  // chunks of a group sit in G / 4 consecutive lanes of one stripe (group_limit_lanes).
-  int group_lanes = 0;
-  int group_shift = 0;  // log2(G / 4)
-};
+// Parameters (host-built, passed by value to kernels: route_plan.h's RouteParams).
 
 // One word of each 16 bytes of RouteParams, XORed, for the routing kernels' keep_loaded (launch.cuh)
 // before pdl_wait(). By name: the kernels take RouteParams by value, and reading it through its
@@ -259,40 +219,9 @@ struct RoutedPicks {
 // redux.sync instructions, and a lone row's serial work is short. Past E = 512 a lane's values no
 // longer fit in registers at a useful occupancy: without a group limit those rows take
 // route_warp_wide (docs/decisions/routing-row-forms.md).
-// Rows up to which whole-warp rows of 65-128 / 129-512 experts keep 3 candidates per lane instead
-// of 2: with 2, 3-8% of the rows of deepseek-v3, kimi-k2 or qwen3-next (random logits; model:
-// tools/buffer_overflow_model.py) have a lane holding 3 of the K picks and take the exact rounds,
-// and at small T the slowest row is the call's time; with more rows the deeper insert costs more
-// (docs/decisions/routing-candidate-buffers.md).
-inline constexpr std::int64_t kDeepBufferMaxTokens = 128;
-inline constexpr std::int64_t kDeepBufferMaxTokensSoftmax = 4096;
-inline constexpr std::int64_t kDeepBufferMaxTokens128 = 4096;
-inline constexpr std::int64_t kAnyTokens = std::numeric_limits<std::int64_t>::max();
-// Rows of up to 16 / 32 / 64 experts: a whole warp per row (W = 32, lanes past E / 4 idle) up to
-// these many rows, then narrow segments (W = E / 4 rounded up: 32 / W rows per warp), then, where it
-// fits, route_rows (route_rows.cuh, one thread per row, from kRowsMinTokens8 / 16 rows). The whole
-// warp reduces with single redux.sync instructions where narrow segments need shuffle butterflies:
-// at small T, where one row's latency is the call's time, it is faster; with more rows the idle
-// lanes cost more. Rules with a narrow Spec skip the whole warp for 9-32 experts (and 33-64 where K
-// fits the narrow packed buffers): route_shape_index's narrow_spec
-// (docs/decisions/routing-row-forms.md).
-inline constexpr std::int64_t kSmallWarpMaxTokens16 = 128;
-inline constexpr std::int64_t kSmallWarpMaxTokens32 = 256;
-inline constexpr std::int64_t kSmallWarpMaxTokens64 = 1024;
-// Rows of 33-64 experts up to which narrow segments hold one stripe (W = 16, 4 values per lane, 2
-// rows per warp); past it two (W = 8, 8 values per lane, 4 rows per warp: half the segment
-// reductions per row, which dominate the top-K rounds there, for a longer serial row;
-// docs/decisions/routing-row-forms.md).
-inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 32767;
-// Rows of 65-128 experts with 2 <= K <= 8 from which narrow segments of 8 lanes (4 stripes, 16 values
-// a lane, 4 rows a warp) on packed buffers of depth 4 replace the whole warp: a quarter of the K
-// rounds and of the per-row work (weights, stores, addressing) per row, for a longer serial row
-// (docs/decisions/routing-row-forms.md).
-inline constexpr std::int64_t kNarrowMinTokens128 = 32768;
-
-// Narrow segments take packed candidate buffers for K >= this (kNarrowPacked; as routing.cu's
-// kPackedMinK for whole-warp rows) and K <= W (pick k in lane k).
-inline constexpr int kNarrowPackedMinK = 2;
+// The token thresholds of the table (kSmallWarpMaxTokens16 ..., kDeepBufferMaxTokens ...,
+// kSmallNarrowMaxTokens64, kNarrowMinTokens128) are route_plan.h's, with their evidence.
+// Narrow segments take packed candidate buffers for kNarrowPackedMinK <= K <= W (pick k in lane k).
 inline constexpr bool narrow_packed_k(int top_k, int w) { return top_k >= kNarrowPackedMinK && top_k <= w; }
 // Lanes of the narrow segments of 33-64 experts below kSmallNarrowMaxTokens64 rows.
 inline constexpr int kSmallNarrowLanes64 = 16;
@@ -366,7 +295,6 @@ inline constexpr int kFormKnobMaxExperts = 128;
 inline constexpr int kStreamLanes = 8;
 inline constexpr int kStreamMinExperts = 128;
 inline constexpr int kStreamMaxExperts = 192;
-inline constexpr std::int64_t kStreamMinTokens = 32768;
 inline bool stream_fits(int num_experts, int top_k, int group_path) {
   return group_path == kGroupNone && num_experts > kStreamMinExperts && num_experts <= kStreamMaxExperts &&
          narrow_packed_k(top_k, kStreamLanes);
@@ -1234,10 +1162,6 @@ template <class Shape>
 __device__ __forceinline__ std::uint32_t packed_key(std::uint32_t key, std::uint32_t lane_inv, int j) {
   return (key & ~kIndexMask<Shape>) | packed_index<Shape>(lane_inv, j);
 }
-// K = 1 takes the plain pass: one round saves less than the packed pass's checks cost
-// (llama4-maverick fp32 T = 65536: 26.75 us on packed buffers against 22.03;
-// docs/decisions/routing-packed-keys.md).
-inline constexpr int kPackedMinK = 2;
 
 // Removes a packed buffer's head (the lane's pick of a round): the rest move up, the tail empties.
 template <int D>

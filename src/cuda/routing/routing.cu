@@ -32,18 +32,18 @@ using routing::RouteParams;
 // A whole warp holds such a row in 2 stripes of 128 (256 experts), so at E = 160 three of its eight
 // values per lane are padding; 8 lanes hold E / 8 values each, in E / 32 stripes. Rows without that
 // padding gain nothing from the form (docs/decisions/routing-wide-rows.md).
-bool launch_route_stream(const RouteParams& p, const routing::RouteChoice& choice, cudaStream_t stream,
-                         Status* status) {
+bool plan_route_stream(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props,
+                         RoutePlan* plan, Status* status) {
   using Shape = routing::StreamShape<routing::kStreamLanes, 6, 4, 2, 5>;
   static_assert(routing::kStreamMaxExperts <= Shape::kMaxExperts, "the stream shape's experts");
-  return launch_first_match<
+  return plan_first_match<
       Shape, true, Spec<DType::kFloat32, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-      Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, choice, stream,
+      Spec<DType::kBFloat16, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>(p, choice, props, plan,
                                                                                          status);
 }
 
 // One thread per row (route_rows.cuh): kE experts held, a buffer of kK picks; SpecT as for
-// route_kernel (launch_route_rows_for's Specs, or SpecGeneric).
+// route_kernel (plan_route_rows_for's Specs, or SpecGeneric).
 template <int kE, int kK, class SpecT>
 __global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p0) {
   if (threadIdx.x == 0) {
@@ -61,28 +61,23 @@ __global__ void __launch_bounds__(256) route_rows_kernel(const RouteParams p0) {
 }
 
 template <int kE, int kK, class SpecT>
-Status launch_route_rows(const RouteParams& p, cudaStream_t stream) {
-  // Blocks of up to 256 threads, fewer where that spreads the rows over more SMs (as
-  // launch_route does with warps).
-  int sms = 0;
-  const Status sm_status = current_sm_count("route", &sms);
-  if (!sm_status.ok()) return sm_status;
+Status plan_route_rows(const RouteParams& p, const DeviceProps& props, RoutePlan* plan) {
+  // Blocks of up to kRowsMaxWarpsPerBlock warps, fewer where that spreads the rows over more SMs (as
+  // plan_route_kernel does with warps).
+  const int sms = std::max(props.sm_count, 1);
   const std::int64_t warps = (p.num_tokens + 31) / 32;
-  const std::int64_t spread = (warps + std::max(sms, 1) - 1) / std::max(sms, 1);
-  const int threads = 32 * static_cast<int>(std::clamp<std::int64_t>(spread, 1, 8));
+  const std::int64_t spread = (warps + sms - 1) / sms;
+  const int threads = 32 * static_cast<int>(std::clamp<std::int64_t>(spread, 1, routing::kRowsMaxWarpsPerBlock));
   const std::int64_t blocks = (p.num_tokens + threads - 1) / threads;
-  if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
-  return launch_kernel("route: kernel launch", route_rows_kernel<kE, kK, SpecT>,
-                       dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
-                       /*pdl=*/true, p);
+  return set_plan<route_rows_kernel<kE, kK, SpecT>>(blocks, threads, 0, plan);
 }
 
 // The route_rows kernel of the first of Specs... that matches p (the last one is SpecGeneric).
 template <int kE, int kK, class... Specs>
-Status launch_route_rows_spec(const RouteParams& p, cudaStream_t stream) {
+Status plan_route_rows_spec(const RouteParams& p, const DeviceProps& props, RoutePlan* plan) {
   Status status = Status::Ok();
   first_spec_match<Specs...>(p, &status, [&](auto* spec) {
-    return launch_route_rows<kE, kK, std::remove_pointer_t<decltype(spec)>>(p, stream);
+    return plan_route_rows<kE, kK, std::remove_pointer_t<decltype(spec)>>(p, props, plan);
   });
   return status;
 }
@@ -90,16 +85,16 @@ Status launch_route_rows_spec(const RouteParams& p, cudaStream_t stream) {
 // route_rows for p (routing::rows_kernel_fits): the smallest kE >= E and kK >= K, with specialised
 // kernels for the rules of Mixtral (and Phi-3.5-MoE: none -> softmax) and DBRX (softmax ->
 // normalize), fp32 and bf16 logits (docs/decisions/routing-specialised-kernels.md).
-Status launch_route_rows_for(const RouteParams& p, cudaStream_t stream) {
+Status plan_route_rows_for(const RouteParams& p, const DeviceProps& props, RoutePlan* plan) {
   static_assert(routing::kRowsMaxExperts == 16 && routing::kRowsMaxTopK == 8, "the kernels below");
   const int e_cap = p.num_experts <= 8 ? 8 : 16;
   const int k_cap = p.top_k <= 2 ? 2 : p.top_k <= 4 ? 4 : 8;
   return dispatch_value<8, 16>("route rows: experts held", e_cap, [&](auto e) {
     return dispatch_value<2, 4, 8>("route rows: buffer depth", k_cap, [&](auto k) {
-      return launch_route_rows_spec<decltype(e)::value, decltype(k)::value,
+      return plan_route_rows_spec<decltype(e)::value, decltype(k)::value,
                                     NarrowNoneSoftmax<DType::kFloat32>, NarrowNoneSoftmax<DType::kBFloat16>,
                                     NarrowSoftmaxNormalize<DType::kFloat32>,
-                                    NarrowSoftmaxNormalize<DType::kBFloat16>, SpecGeneric>(p, stream);
+                                    NarrowSoftmaxNormalize<DType::kBFloat16>, SpecGeneric>(p, props, plan);
     });
   });
 }
@@ -148,69 +143,87 @@ __global__ void __launch_bounds__(routing::kStagedWarps * 32, 4) route_staged_ke
       p, first_row, staged_smem + Layout::kBiasBytes + warp * Layout::kWarpBytes, bias);
 }
 
-// One staged kernel over `blocks` blocks; its shared memory passes the 48 KB default (an opt-in).
+// The staged kernel's opt-in to its shared memory, past the 48 KB default (RoutePlan::prepare).
+template <auto kKernel, std::size_t kSmem>
+Status grant_staged_smem() {
+  const cudaError_t err = set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(kSmem);
+  return cuda_status("route: staged kernel shared memory", err);
+}
+
+// One staged kernel over `blocks` blocks.
 template <DType kDtype, routing::StagedRule kRule, bool kGroups, bool kApprox = false>
-Status launch_staged_kernel(const RouteParams& p, std::int64_t blocks, cudaStream_t stream) {
+Status plan_staged_kernel(std::int64_t blocks, RoutePlan* plan) {
   constexpr auto kKernel = route_staged_kernel<kDtype, kRule, kGroups, kApprox>;
   constexpr std::size_t kSmem = routing::StagedLayout<kDtype>::kBlockBytes;
-  const cudaError_t err = set_attribute_at_least<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(kSmem);
-  if (err != cudaSuccess) return cuda_status("route: staged kernel shared memory", err);
-  return launch_kernel("route: staged kernel launch", kKernel, dim3(static_cast<unsigned>(blocks)),
-                       dim3(32 * routing::kStagedWarps), kSmem, stream, /*pdl=*/true, p);
+  return set_plan<kKernel>(blocks, 32 * routing::kStagedWarps, kSmem, plan, &grant_staged_smem<kKernel, kSmem>);
 }
 
 // The staged kernel for p (routing::staged_fits); approx: sigmoid + bias rows select on approximate
 // sigmoids (routing::staged_approx_knob).
-Status launch_route_staged(const RouteParams& p, bool approx, cudaStream_t stream) {
+Status plan_route_staged(const RouteParams& p, bool approx, RoutePlan* plan) {
   using routing::StagedRule;
   const std::int64_t rows_per_block = 32 * routing::kStagedWarps;
   const std::int64_t blocks = (p.num_tokens + rows_per_block - 1) / rows_per_block;
-  if (blocks > 0x7fffffff) return Status::Unsupported("route: too many tokens for one launch");
   StagedRule rule = StagedRule::kSigmoidBias;
   routing::staged_rule_of(p, &rule);
   const bool groups = p.group_path != routing::kGroupNone;
-  const auto launch = [&](auto dtype) {
+  const auto plan_for = [&](auto dtype) {
     constexpr DType kDtype = decltype(dtype)::value;
     if (rule == StagedRule::kLogits)
-      return launch_staged_kernel<kDtype, StagedRule::kLogits, false>(p, blocks, stream);
+      return plan_staged_kernel<kDtype, StagedRule::kLogits, false>(blocks, plan);
     if (rule == StagedRule::kSoftmaxPicks)
-      return launch_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>(p, blocks, stream);
+      return plan_staged_kernel<kDtype, StagedRule::kSoftmaxPicks, false>(blocks, plan);
     if (approx) {
-      return groups ? launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, true, true>(p, blocks, stream)
-                    : launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, false, true>(p, blocks, stream);
+      return groups ? plan_staged_kernel<kDtype, StagedRule::kSigmoidBias, true, true>(blocks, plan)
+                    : plan_staged_kernel<kDtype, StagedRule::kSigmoidBias, false, true>(blocks, plan);
     }
-    return groups ? launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, true>(p, blocks, stream)
-                  : launch_staged_kernel<kDtype, StagedRule::kSigmoidBias, false>(p, blocks, stream);
+    return groups ? plan_staged_kernel<kDtype, StagedRule::kSigmoidBias, true>(blocks, plan)
+                  : plan_staged_kernel<kDtype, StagedRule::kSigmoidBias, false>(blocks, plan);
   };
   if (p.logits_dtype == static_cast<int>(DType::kFloat32))
-    return launch(std::integral_constant<DType, DType::kFloat32>{});
-  return launch(std::integral_constant<DType, DType::kBFloat16>{});
+    return plan_for(std::integral_constant<DType, DType::kFloat32>{});
+  return plan_for(std::integral_constant<DType, DType::kBFloat16>{});
 }
 
 }  // namespace
 
-Status route(const detail::RouteArgs& args, Stream stream) {
-  if (args.num_tokens == 0) return Status::Ok();
+namespace routing {
+
+Status plan_route(const detail::RouteArgs& args, const DeviceProps& props, RoutePlan* plan) {
   if (args.config.top_k > kMaxGpuTopK) {
     return Status::Unsupported("route: K = " + std::to_string(args.config.top_k) +
                                " exceeds the CUDA backend's maximum of " + std::to_string(kMaxGpuTopK));
   }
-  const RouteParams p = routing::make_route_params(args);
-  const routing::RouteChoice choice = routing::route_choice(args.options);
-  if (routing::use_rows_kernel(p, choice.form)) return launch_route_rows_for(p, stream);
-  if (routing::use_staged(p, choice)) return launch_route_staged(p, choice.staged_approx, stream);
-  if (routing::use_stream(p, choice)) {
+  plan->params = make_route_params(args);
+  const RouteParams& p = plan->params;
+  const RouteChoice choice = route_choice(args.options);
+  if (use_rows_kernel(p, choice.form)) return plan_route_rows_for(p, props, plan);
+  if (use_staged(p, choice)) return plan_route_staged(p, choice.staged_approx, plan);
+  if (use_stream(p, choice)) {
     Status status;
-    if (launch_route_stream(p, choice, stream, &status)) return status;
+    if (plan_route_stream(p, choice, props, plan, &status)) return status;
   }
-  const int index = routing::route_shape_index(args.config.num_experts, args.num_tokens, args.config.pre,
-                                               narrow_spec_matches(p), args.config.top_k, choice);
+  const int index = route_shape_index(args.config.num_experts, args.num_tokens, args.config.pre,
+                                      narrow_spec_matches(p), args.config.top_k, choice);
   if (index < 0) {
     return Status::Unsupported("route: E = " + std::to_string(args.config.num_experts) +
                                " exceeds the CUDA backend's maximum of " +
-                               std::to_string(routing::kShapeTable[routing::kNumShapes - 1].max_experts));
+                               std::to_string(kShapeTable[kNumShapes - 1].max_experts));
   }
-  return routing::shape_launcher(index)(p, choice, stream);
+  return shape_planner(index)(p, choice, props, plan);
+}
+
+}  // namespace routing
+
+Status route(const detail::RouteArgs& args, Stream stream) {
+  if (args.num_tokens == 0) return Status::Ok();
+  DeviceProps props;
+  SY_RETURN_IF_ERROR(current_device_props("route", &props));
+  routing::RoutePlan plan;
+  SY_RETURN_IF_ERROR(routing::plan_route(args, props, &plan));
+  if (plan.prepare != nullptr) SY_RETURN_IF_ERROR(plan.prepare());
+  return launch_kernel("route: kernel launch", plan.kernel, dim3(plan.grid), dim3(plan.block), plan.smem, stream,
+                       /*pdl=*/true, plan.params);
 }
 
 }  // namespace switchyard::cuda

@@ -10,6 +10,13 @@ at large T. This check makes such a change visible in review: the build's per-ke
                                                           # deliberate kernel change
   python3 tools/kernel_resources.py check BUILD_DIR tests/kernel_resources.txt      # CI
 
+  python3 tools/kernel_resources.py reach BUILD_DIR                                 # CI
+
+`reach` checks that every routing kernel compiled into the library can be launched: the plan's
+kernels over tests/routing/route_plan_space.h's configurations (BUILD_DIR/tests/route_plan_reach)
+must be exactly the routing objects' kernels. An instantiated kernel no configuration reaches is
+dead code that costs compile time; delete it (route_shape_launch.cuh's SpecIf).
+
 The list records the nvcc version it was dumped with (its first line); under another version the
 check says it skipped and passes, since register counts are the compiler's choice.
 
@@ -95,9 +102,89 @@ def nvcc_version(build_dir):
     return None
 
 
+ROUTING_OBJECT = re.compile(r"routing(_shapes_\d+)?\.cu\.o$")
+ENUM_HEADERS = ("include/switchyard/*.h", "src/cuda/routing/*.cuh")
+
+
+def enum_values(root):
+    """{enum name: {enumerator: value}} of the enum classes the routing kernels take as template
+    arguments, read from the headers (implicit values count up from the previous one)."""
+    enums = {}
+    for pattern in ENUM_HEADERS:
+        for path in glob.glob(os.path.join(root, pattern)):
+            for m in re.finditer(r"enum class (\w+)[^{]*\{([^}]*)\}", open(path).read()):
+                values, nxt = {}, 0
+                for item in re.sub(r"//[^\n]*", "", m.group(2)).split(","):
+                    item = item.strip()
+                    if not item:
+                        continue
+                    name, _, val = item.partition("=")
+                    nxt = int(val.strip(), 0) if val.strip() else nxt
+                    values[name.strip()] = nxt
+                    nxt += 1
+                enums[m.group(1)] = values
+    return enums
+
+
+def canonical_kernel(signature, enums):
+    """A routing kernel's template signature with namespaces dropped and enum arguments as numbers,
+    from a demangled name (cuobjdump) or RoutePlan::name (the host compiler's spelling)."""
+    s = signature
+    if "kKernel = " in s:
+        s = s[s.index("kKernel = ") + len("kKernel = "):].rstrip("]").strip()
+    s = re.sub(r"^void\s+", "", s)
+    if s.endswith(")"):
+        s = s[:s.rindex("(")]
+    s = re.sub(r"\((?:\w+::)*(\w+)\)(-?\d+)", lambda m: m.group(2) if m.group(1) in enums else m.group(0), s)
+    s = re.sub(r"(?:\w+::)*(\w+)::(k\w+)",
+               lambda m: str(enums[m.group(1)][m.group(2)]) if m.group(2) in enums.get(m.group(1), {}) else m.group(0),
+               s)
+    s = re.sub(r"(?:\(anonymous namespace\)|\{anonymous\}|\w+)::", "", s)
+    s = re.sub(r"\s+", "", s)
+    # The host compiler may leave out Spec's defaulted arguments (kEarlyBias = false, kShift = 0).
+    return re.sub(r"Spec<([^<>]*)>", lambda m: "Spec<" + ",".join(
+        (m.group(1).split(",") + ["false", "0"])[:7] if m.group(1).count(",") == 4 else
+        (m.group(1).split(",") + ["0"])[:7]) + ">", s)
+
+
+def reach(tool, build_dir):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    enums = enum_values(root)
+    lister = os.path.join(build_dir, "tests", "route_plan_reach")
+    if not os.path.exists(lister):
+        print(f"kernel_resources: no {lister} (build the tests with the CUDA backend)", file=sys.stderr)
+        return 2
+    planned = {canonical_kernel(line, enums)
+               for line in subprocess.run([lister], check=True, capture_output=True, text=True).stdout.splitlines()
+               if line.strip()}
+    objs = [o for o in sorted(glob.glob(os.path.join(build_dir, OBJECTS))) if ROUTING_OBJECT.search(o)]
+    mangled = []
+    for obj in objs:
+        text = subprocess.run([tool, "-res-usage", obj], check=True, capture_output=True, text=True).stdout
+        mangled += re.findall(r"\s*Function (\S+):", text)
+    demangler = shutil.which("c++filt")
+    if demangler is None:
+        print("kernel_resources: no c++filt (binutils)", file=sys.stderr)
+        return 2
+    names = subprocess.run([demangler], input="\n".join(mangled), check=True, capture_output=True,
+                           text=True).stdout.splitlines()
+    built = {canonical_kernel(n, enums) for n in names}
+    dead, missing = sorted(built - planned), sorted(planned - built)
+    if not dead and not missing:
+        print(f"kernel_resources: all {len(built)} routing kernels are reached by the plan")
+        return 0
+    for k in dead:
+        print(f"  unreachable {k}")
+    for k in missing:
+        print(f"  planned but not found in the objects {k}")
+    print(f"kernel_resources: {len(dead)} routing kernels no configuration reaches, {len(missing)} planned"
+          f" kernels not found (a spelling the canonical form misses?)")
+    return 1
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("dump", "check"))
+    ap.add_argument("mode", choices=("dump", "check", "reach"))
     ap.add_argument("build_dir")
     ap.add_argument("baseline", nargs="?")
     ap.add_argument("--cuobjdump")
@@ -116,6 +203,8 @@ def main():
     if tool is None:
         print("kernel_resources: no cuobjdump (CUDA toolkit, or pip install nvidia-cuda-cuobjdump)", file=sys.stderr)
         return 2
+    if args.mode == "reach":
+        return reach(tool, args.build_dir)
     try:
         rows = resources(tool, args.build_dir)
     except (FileNotFoundError, subprocess.CalledProcessError) as e:

@@ -46,8 +46,8 @@ constexpr long long kGridMaxExchange = 65536;
 // One-block path: blocks split the writes, about this many rows (of the row capacity) each; each
 // one repeats the (short, parallel) ranking of all N <= 4096 picks, reading the ids from L2
 // (1024 rows a block were faster than 2048 at every T measured; docs/decisions/layout-path-selection.md).
+// At most one block an SM (the device's SM count: 132 on an H100 or H200).
 constexpr long long kRowsPerOneBlock = 1024;
-constexpr long long kMaxOneBlocks = 132;
 constexpr long long kSmallMaxPicks = 4096;     // one kernel, every block sorts all picks
 constexpr long long kMediumMaxPicks = 131072;  // three kernels, chunks of kMediumChunk picks
 // Chunks of 512 picks: N = 32768..131072 (past the one-launch kernels) gives 64..256
@@ -256,8 +256,11 @@ LayoutParams with_block_slices(const LayoutParams& p, long long blocks) {
 
 template <int ITEMS, typename Id>
 Status launch_one_block_config(const LayoutParams& params, cudaStream_t stream) {
+  DeviceProps props;
+  SY_RETURN_IF_ERROR(current_device_props("layout", &props));
   const long long rows = std::max<long long>(params.capacity_rows, params.num_picks);
-  const long long blocks = std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, kMaxOneBlocks);
+  const long long blocks =
+      std::clamp<long long>(ceil_div(rows, kRowsPerOneBlock), 1, std::max(props.sm_count, 1));
   LayoutParams p = with_block_slices(params, blocks);
   p.rank_words = rank_words(p, false, p.num_picks);
   const std::size_t smem = layout_detail::one_launch_smem_bytes(p.num_local, false, 0, p.rank_words);

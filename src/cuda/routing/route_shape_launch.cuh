@@ -69,6 +69,8 @@ struct SpecTraits<Spec<kDtype, kPre, kBias, kGroup, kPost, kEarly, kShift>> {
   static_assert(kShift == 0 || kGroup == kSpecGroupLanes, "a group shift belongs to the lane path");
   static constexpr bool kEarlyBias = kEarly;
   static constexpr int kGroupShift = kShift;
+  // Keys with one per packed bucket (routing::bucket_exact_keys) on every row the Spec matches.
+  static constexpr bool kBucketExact = kDtype != DType::kFloat32 && kPre == PreFn::kNone && !kBias;
   static bool matches(const RouteParams& p) {
     if (kEarly && p.num_tokens > kEarlyBiasMaxTokens) return false;
     if (p.logits_dtype != static_cast<int>(kDtype) || !p.logits_vec) return false;
@@ -106,6 +108,7 @@ template <>
 struct SpecTraits<SpecGeneric> {
   static constexpr bool kEarlyBias = false;
   static constexpr int kGroupShift = 0;
+  static constexpr bool kBucketExact = false;
   static bool matches(const RouteParams&) { return true; }
   __device__ __forceinline__ static void apply(RouteParams&) {}
 };
@@ -218,10 +221,14 @@ Status plan_route_for(const RouteParams& p, const routing::RouteChoice& choice, 
   if constexpr (kWide && Shape::W < 32) {
     return plan_route_kernel<Shape, SpecT, true, true>(p, props, plan);
   } else if constexpr (kWide) {
-    if constexpr (kSpecialised<SpecT>) {
-      if (routing::wide_packed_buffers(p, choice)) return plan_route_kernel<Shape, SpecT, true, true>(p, props, plan);
+    if constexpr (SpecTraits<SpecT>::kBucketExact) {
+      return plan_route_kernel<Shape, SpecT, true, true>(p, props, plan);  // wide_packed_buffers: always
+    } else {
+      if constexpr (kSpecialised<SpecT>) {
+        if (routing::wide_packed_buffers(p, choice)) return plan_route_kernel<Shape, SpecT, true, true>(p, props, plan);
+      }
+      return plan_route_kernel<Shape, SpecT, true, false>(p, props, plan);
     }
-    return plan_route_kernel<Shape, SpecT, true, false>(p, props, plan);
   } else {
     return plan_route_kernel<Shape, SpecT, false, kPacked>(p, props, plan);
   }
@@ -229,9 +236,25 @@ Status plan_route_for(const RouteParams& p, const routing::RouteChoice& choice, 
 
 // Calls launch(static_cast<S*>(nullptr)) for the first S of Specs... that matches p, its Status into
 // *status, and returns true; false (nothing called) when none matches.
+// A Spec left out of a list at compile time (SpecIf): no row can reach its kernel there, so it is not
+// instantiated (tools/kernel_resources.py reach checks that every routing kernel is reachable).
+struct SpecNever {};
+template <bool kKeep, class S>
+using SpecIf = std::conditional_t<kKeep, S, SpecNever>;
+
+template <class S, class Launch>
+bool try_spec(const RouteParams& p, Status* status, const Launch& launch) {
+  if constexpr (std::is_same_v<S, SpecNever>) {
+    return false;
+  } else {
+    if (!SpecTraits<S>::matches(p)) return false;
+    *status = launch(static_cast<S*>(nullptr));
+    return true;
+  }
+}
 template <class... Specs, class Launch>
 bool first_spec_match(const RouteParams& p, Status* status, const Launch& launch) {
-  return ((SpecTraits<Specs>::matches(p) && (*status = launch(static_cast<Specs*>(nullptr)), true)) || ...);
+  return (try_spec<Specs>(p, status, launch) || ...);
 }
 
 // Launches the first of the kernels Specs... whose Spec matches p into *status and returns true;
@@ -275,16 +298,29 @@ Status plan_route_spec(const RouteParams& p, const routing::RouteChoice& choice,
 // Past 4 stripes (513-1024 experts) only rows with a group limit reach these kernels
 // (plan_route_shape): sigmoid + bias -> normalize on either group path.
 // The kernels up to 4 stripes (E <= 512), after First... (checked first).
+// Which of the sigmoid + bias Specs a whole-warp shape's rows can reach: the deep-buffer shapes of
+// 129-512 experts (D = 3) serve sigmoid rows only up to kDeepBufferMaxTokens, all of which load the
+// bias early; 65-128 experts on 2 candidates (S = 1, D = 2) only past kDeepBufferMaxTokens128, none
+// of which do.
+template <class Shape>
+inline constexpr bool kLateBiasSpecs = !(Shape::S >= 2 && Shape::D == 3);
+template <class Shape>
+inline constexpr bool kEarlyBiasSpecs = !(Shape::S == 1 && Shape::D == 2);
+static_assert(routing::kDeepBufferMaxTokens <= kEarlyBiasMaxTokens &&
+                  routing::kDeepBufferMaxTokens128 >= kEarlyBiasMaxTokens,
+              "kLateBiasSpecs / kEarlyBiasSpecs follow from these thresholds");
+
 template <class Shape, DType kDtype, class... First>
 Status plan_route_up_to_512(const RouteParams& p, const routing::RouteChoice& choice, const DeviceProps& props, RoutePlan* plan) {
+  constexpr bool kEarly = kEarlyBiasSpecs<Shape>, kLate = kLateBiasSpecs<Shape>;
   return plan_route_spec<
       Shape, false, First..., Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupNone, PostFn::kNormalize>,
       Spec<kDtype, PreFn::kNone, false, kSpecGroupNone, PostFn::kSoftmax>,
-      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>,
-      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>,
-      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>,
-      Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>, SpecGeneric>(p, choice,
-                                                                                             props, plan);
+      SpecIf<kEarly, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize, true>>,
+      SpecIf<kEarly, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true>>,
+      SpecIf<kLate, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupNone, PostFn::kNormalize>>,
+      SpecIf<kLate, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize>>, SpecGeneric>(
+      p, choice, props, plan);
 }
 
 template <class Shape, DType kDtype>
@@ -302,7 +338,7 @@ Status plan_route_dtype(const RouteParams& p, const routing::RouteChoice& choice
     // (docs/decisions/routing-specialised-kernels.md).
     return plan_route_up_to_512<
         Shape, kDtype, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, true, 3>,
-        Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>,
+        SpecIf<kLateBiasSpecs<Shape>, Spec<kDtype, PreFn::kSigmoid, true, kSpecGroupLanes, PostFn::kNormalize, false, 3>>,
         Spec<kDtype, PreFn::kSoftmax, false, kSpecGroupChunks, PostFn::kNone>>(p, choice, props, plan);
   } else {
     return plan_route_up_to_512<Shape, kDtype>(p, choice, props, plan);

@@ -11,6 +11,7 @@
 #include "cuda/backend.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/layout/layout_kernels.cuh"
+#include "cuda/layout/layout_plan.h"
 #include "cuda/layout/one_launch_layout_kernel.cuh"
 
 namespace switchyard::cuda {
@@ -18,58 +19,24 @@ namespace switchyard::cuda {
 namespace {
 
 using layout_detail::LayoutParams;
+using layout_detail::kFineChunk;
+using layout_detail::kFineItems;
+using layout_detail::kFineMaxHistEntries;
+using layout_detail::kGridMaxExchange;
+using layout_detail::kLargeChunk;
+using layout_detail::kLargeItems;
+using layout_detail::kLargeThreads;
+using layout_detail::kMaxSmallBlocks;
+using layout_detail::kMediumChunk;
+using layout_detail::kMediumItems;
+using layout_detail::kMediumMaxPicks;
+using layout_detail::kMediumThreads;
+using layout_detail::kOneBlockMaxPicks;
+using layout_detail::kRowsPerOneBlock;
+using layout_detail::kRowsPerSmallBlock;
+using layout_detail::kSmallMaxPicks;
 
-// Path selection, by the number of picks N = T*K (one_launch_layout_kernel.cuh while its shared
-// memory fits):
-//   N <= kOneBlockMaxPicks: one_block_layout_kernel, one launch, every block ranks all picks;
-//   else the one-launch kernel on CB blocks, each ranking a chunk of N / CB picks: one 16-block
-//   cluster, or a cooperative grid of 32, 64 or 128 blocks (the grid form). CB is the smallest of
-//   16 / 32 / 64 / 128 with N <= kPicksPerBlock * CB (128 only for L <= kGrid128MaxLocal: every
-//   block loads CB rows of L counts), else the largest with N <= kMaxPicksPerBlock * CB; where
-//   none fits or can be scheduled, one 16-block or 8-block cluster (every form: at most 8 groups
-//   of 32 picks per warp, cluster_fits);
-//   else (or L too large):  the sorting kernel up to kSmallMaxPicks, then the chunked pipeline.
-// The cluster and grid forms cost more than the one-block form at small N (their barrier, the
-// exchange of counts); past what one block holds, more blocks share the ranking and the row stores
-// (E=256 K=8 N = 65536: 16-block cluster 9.36 us, grid of 64 blocks 6.32;
-// docs/decisions/layout-path-selection.md).
-// LayoutOptions::path forces a path where it fits the call (tests and same-process comparisons).
-// LayoutConfig::independent_blocks (per call) leaves only the one-block form and the multi-launch
-// pipeline (whose blocks never wait for each other); a forced chunked path still applies then.
-constexpr long long kOneBlockMaxPicks = 4096;
-constexpr long long kPicksPerBlock = 1024;     // the one-launch forms' preferred chunk (above)
-constexpr long long kMaxPicksPerBlock = 2560;  // past it (and every form's CB), the chunked pipeline
-constexpr int kGrid128MaxLocal = 256;
-// The grid form's blocks each load CB * L counts (CB rows of L): at most this many (the largest
-// measured, E=512 on 128 blocks; past it the chunked pipeline's scan kernel does that work once).
-constexpr long long kGridMaxExchange = 65536;
-// One-block path: blocks split the writes, about this many rows (of the row capacity) each; each
-// one repeats the (short, parallel) ranking of all N <= 4096 picks, reading the ids from L2
-// (1024 rows a block were faster than 2048 at every T measured; docs/decisions/layout-path-selection.md).
-// At most one block an SM (the device's SM count: 132 on an H100 or H200).
-constexpr long long kRowsPerOneBlock = 1024;
-constexpr long long kSmallMaxPicks = 4096;     // one kernel, every block sorts all picks
-constexpr long long kMediumMaxPicks = 131072;  // three kernels, chunks of kMediumChunk picks
-// Chunks of 512 picks: N = 32768..131072 (past the one-launch kernels) gives 64..256
-// blocks, enough to fill the SMs; each block's sort is short.
-constexpr int kMediumThreads = 256;
-constexpr int kMediumItems = 2;
-constexpr int kMediumChunk = kMediumThreads * kMediumItems;  // 512
-// Past kMediumMaxPicks: chunks of 2048 picks while the chunk histograms (chunks x L entries, which
-// the scan kernel reads twice) stay within kFineMaxHistEntries, else chunks of 4096
-// (E=256 K=8 T = 65536: 17.52 us with 2048 against 21.94 with 4096).
-constexpr int kLargeThreads = 512;
-constexpr int kLargeItems = 8;
-constexpr int kLargeChunk = kLargeThreads * kLargeItems;  // 4096
-constexpr int kFineItems = 4;
-constexpr int kFineChunk = kLargeThreads * kFineItems;  // 2048
-constexpr long long kFineMaxHistEntries = 65536;
-
-// Small path: blocks share the writes, about this many output rows each, and at most this many
-// blocks (each one repeats the sort of all N <= 4096 picks, so more blocks cost L2 reads only).
-constexpr long long kRowsPerSmallBlock = 2048;
-constexpr long long kMaxSmallBlocks = 128;
-
+// Path selection and its thresholds: layout_plan.h.
 constexpr std::size_t kWorkspaceAlign = 256;
 
 long long ceil_div(long long a, long long b) { return (a + b - 1) / b; }
@@ -434,70 +401,48 @@ bool grid_schedulable(std::size_t smem) {
   });
 }
 
-using ForcedPath = LayoutOptions::Path;
-
+// What plan_layout_path asks of this call on this device (layout_plan.h's Fits).
 template <typename Id>
-Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
-  const LayoutParams p = make_params(a);
-  const auto cluster16_fits = [&] {
-    return cluster_fits(p, 16) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16));
-  };
+struct DeviceFits {
+  const LayoutParams& p;
+  bool one_block() const { return one_block_fits(p); }
+  bool cluster8() const { return cluster_fits(p, 8); }
+  bool cluster16() const { return cluster_fits(p, 16) && cluster16_schedulable<Id>(cluster_smem_bytes(p, 16)); }
   // The grid form of CB blocks: where the workspace holds CB rows of counts (it does from N =
   // CB * kMediumChunk on, where the chunked pipeline needs as many), every block's loads of the
   // counts stay within kGridMaxExchange, the form fits, and all CB blocks fit on the device at once.
-  const auto grid_fits = [&](auto cb) {
-    constexpr int CB = decltype(cb)::value;
-    return workspace_chunks(p.num_picks, p.num_local) >= CB &&
-           static_cast<long long>(CB) * p.num_local <= kGridMaxExchange && cluster_fits(p, CB) &&
-           grid_schedulable<CB, Id>(cluster_smem_bytes(p, CB));
-  };
-  using Grid32 = std::integral_constant<int, 32>;
-  using Grid64 = std::integral_constant<int, 64>;
-  using Grid128 = std::integral_constant<int, 128>;
-  // Forms whose blocks never wait for each other, asked for per call (layout.h); a forced path
-  // applies only among them then.
-  if (a.independent_blocks) {
-    const ForcedPath forced = a.options.path;
-    if (forced != ForcedPath::kChunked && one_block_fits(p)) return launch_one_block<Id>(p, stream);
-    return launch_multi_kernel<Id>(p, stream);
+  bool grid(int cb) const {
+    if (workspace_chunks(p.num_picks, p.num_local) < cb || static_cast<long long>(cb) * p.num_local > kGridMaxExchange ||
+        !cluster_fits(p, cb))
+      return false;
+    const std::size_t smem = cluster_smem_bytes(p, cb);
+    return cb == 32 ? grid_schedulable<32, Id>(smem) : cb == 64 ? grid_schedulable<64, Id>(smem)
+                                                                : grid_schedulable<128, Id>(smem);
   }
-  switch (a.options.path) {
-    case ForcedPath::kOneBlock:
-      if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
-      break;
-    case ForcedPath::kCluster8:
-      if (cluster_fits(p, 8)) return launch_cluster<8, Id>(p, stream);
-      break;
-    case ForcedPath::kCluster16:
-      if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
-      break;
-    case ForcedPath::kGrid32:
-      if (grid_fits(Grid32{})) return launch_cluster<32, Id>(p, stream);
-      break;
-    case ForcedPath::kGrid64:
-      if (grid_fits(Grid64{})) return launch_cluster<64, Id>(p, stream);
-      break;
-    case ForcedPath::kGrid128:
-      if (grid_fits(Grid128{})) return launch_cluster<128, Id>(p, stream);
-      break;
-    case ForcedPath::kChunked:
-      return launch_multi_kernel<Id>(p, stream);
-    case ForcedPath::kAuto:
+};
+
+template <typename Id>
+Status layout_typed(const detail::LayoutArgs& a, cudaStream_t stream) {
+  using layout_detail::LayoutPath;
+  const LayoutParams p = make_params(a);
+  switch (layout_detail::plan_layout_path(p.num_picks, p.num_local, a.options.path, a.independent_blocks,
+                                          DeviceFits<Id>{p})) {
+    case LayoutPath::kOneBlock:
+      return launch_one_block<Id>(p, stream);
+    case LayoutPath::kCluster8:
+      return launch_cluster<8, Id>(p, stream);
+    case LayoutPath::kCluster16:
+      return launch_cluster<16, Id>(p, stream);
+    case LayoutPath::kGrid32:
+      return launch_cluster<32, Id>(p, stream);
+    case LayoutPath::kGrid64:
+      return launch_cluster<64, Id>(p, stream);
+    case LayoutPath::kGrid128:
+      return launch_cluster<128, Id>(p, stream);
+    case LayoutPath::kChunked:
+    case LayoutPath::kAuto:
       break;
   }
-  if (one_block_fits(p)) return launch_one_block<Id>(p, stream);
-  // The one-launch form's block count (see Path selection above).
-  const long long n = p.num_picks;
-  const bool grid128_preferred = p.num_local <= kGrid128MaxLocal;
-  if (n <= kPicksPerBlock * 16 && cluster16_fits()) return launch_cluster<16, Id>(p, stream);
-  if (n <= kPicksPerBlock * 32 && grid_fits(Grid32{})) return launch_cluster<32, Id>(p, stream);
-  if (n <= kPicksPerBlock * 64 && grid_fits(Grid64{})) return launch_cluster<64, Id>(p, stream);
-  if (grid128_preferred && n <= kPicksPerBlock * 128 && grid_fits(Grid128{}))
-    return launch_cluster<128, Id>(p, stream);
-  if (n <= kMaxPicksPerBlock * 64 && grid_fits(Grid64{})) return launch_cluster<64, Id>(p, stream);
-  if (n <= kMaxPicksPerBlock * 128 && grid_fits(Grid128{})) return launch_cluster<128, Id>(p, stream);
-  if (cluster16_fits()) return launch_cluster<16, Id>(p, stream);
-  if (cluster_fits(p, 8)) return launch_cluster<8, Id>(p, stream);
   return launch_multi_kernel<Id>(p, stream);
 }
 

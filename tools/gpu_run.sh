@@ -124,14 +124,14 @@ if has bench; then
   done
 fi
 
-# Same-call A/B of route_staged.cuh's approximate selection (bench_routing --staged-approx or not,
+# Same-call A/B of route_staged.cuh's approximate selection (bench_routing --staged-approx=on / off,
 # two rounds, interleaved) on the sigmoid + bias presets, with the default kernel choice and with the
 # staged kernels forced (--staged=always: every T, and Kimi-K2's E = 384).
 if has approx_ab; then
   for r in 1 2; do
     for k in 0 1; do
       for form in default forced; do
-        flags=(); [ "$form" = forced ] && flags+=(--staged=always); [ "$k" = 1 ] && flags+=(--staged-approx)
+        flags=(--staged-approx=$([ "$k" = 1 ] && echo on || echo off)); [ "$form" = forced ] && flags+=(--staged=always)
         SY_BENCH_TOKENS="${AB_TOKENS:-4096,16384,32768,65536}" \
           timeout 300 "$B/bench/bench_routing" "${flags[@]}" "$RES/approx_ab_${form}_k${k}_r$r.json" \
           "${AB_CONFIGS:-deepseek-v3,glm-4.5,kimi-k2}" >"$RES/approx_ab_${form}_k${k}_r$r.md" 2>&1

@@ -7,8 +7,9 @@
 // fits in L2 (60 MB) the calls rotate over several sets so that most reads come from HBM.
 // Bytes = logits + bias + ids (int32) + weights (fp32); floor = bytes / measured copy bandwidth.
 //
-// Usage: bench_routing [--staged=auto|never|always] [--staged-approx] [out.json] [name-filter]
-//   --staged...  switchyard::RouteOptions for every call (same-process comparisons of the forms)
+// Usage: bench_routing [--staged=auto|never|always] [--staged-approx=on|off] [--form=auto|warp|narrow|narrow2|rows]
+//                      [out.json] [name-filter]
+//   --staged..., --form  switchyard::RouteOptions for every call (same-process comparisons of the forms)
 //   out.json     default bench_routing.json
 //   name-filter  only configurations whose name contains one of these comma-separated strings
 #include <cuda_runtime.h>
@@ -155,17 +156,33 @@ bool name_selected(const std::string& name, const std::string& filter) {
 
 int main(int argc, char** argv) {
   switchyard::RouteOptions options;
+  std::string form_name = "auto";
   std::vector<std::string> positional;
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
-    if (arg == "--staged-approx") {
-      options.staged_approx = true;
+    if (arg == "--staged-approx" || arg == "--staged-approx=on" || arg == "--staged-approx=off") {
+      options.staged_approx = arg != "--staged-approx=off";
     } else if (arg == "--staged=always" || arg == "--staged=never" || arg == "--staged=auto") {
       options.staged = arg == "--staged=always"  ? switchyard::RouteOptions::Choice::kAlways
                        : arg == "--staged=never" ? switchyard::RouteOptions::Choice::kNever
                                                  : switchyard::RouteOptions::Choice::kAuto;
+    } else if (arg.rfind("--form=", 0) == 0) {
+      using Form = switchyard::RouteOptions::SmallRowForm;
+      const std::string f = arg.substr(7);
+      if (f != "auto" && f != "warp" && f != "narrow" && f != "narrow2" && f != "rows") {
+        std::fprintf(stderr, "bench_routing: unknown form %s (expected auto, warp, narrow, narrow2, rows)\n", f.c_str());
+        return 2;
+      }
+      options.small_row_form = f == "warp"      ? Form::kWarp
+                               : f == "narrow"  ? Form::kNarrow
+                               : f == "narrow2" ? Form::kNarrow2
+                               : f == "rows"    ? Form::kRows
+                                                : Form::kAuto;
+      form_name = f;
     } else if (arg.rfind("--", 0) == 0) {
-      std::fprintf(stderr, "bench_routing: unknown option %s (expected --staged=auto|never|always, --staged-approx)\n",
+      std::fprintf(stderr,
+                   "bench_routing: unknown option %s (expected --staged=auto|never|always, --staged-approx=on|off, "
+                   "--form=auto|warp|narrow|narrow2|rows)\n",
                    arg.c_str());
       return 2;
     } else {
@@ -311,7 +328,8 @@ int main(int argc, char** argv) {
       .str("date", sy_bench::utc_now())
       .str("commit", SY_GIT_COMMIT)
       .str("route_options", std::string("staged=") + staged_name +
-                                (options.staged_approx ? ", staged_approx" : ""))
+                                (options.staged_approx ? ", staged_approx=on" : ", staged_approx=off") +
+                                ", small_row_form=" + form_name)
       .num("copy_bandwidth_bytes_per_s", bandwidth)
       .str("method", "20 calls per CUDA graph, 200 replays, median per call (docs/benchmarking.md)")
       .str("repro", "bench_routing " + out_path + (filter.empty() ? "" : " " + filter))

@@ -43,11 +43,11 @@ inline std::vector<switchyard::RouteOptions> plan_option_sets() {
     sets.emplace_back().streamed = c;
     sets.emplace_back().staged = c;
   }
-  sets.emplace_back().staged_approx = true;
-  RouteOptions approx_always;
-  approx_always.staged_approx = true;
-  approx_always.staged = RouteOptions::Choice::kAlways;
-  sets.push_back(approx_always);
+  sets.emplace_back().staged_approx = false;
+  RouteOptions exact_always;
+  exact_always.staged_approx = false;
+  exact_always.staged = RouteOptions::Choice::kAlways;
+  sets.push_back(exact_always);
   sets.emplace_back().wide_packed_always = true;
   return sets;
 }

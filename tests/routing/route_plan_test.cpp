@@ -115,6 +115,27 @@ TEST(RoutePlan, PresetsReachTheirSpecialisedKernels) {
   }
 }
 
+TEST(RoutePlan, StagedThresholdsFollowTheSelection) {
+  const auto staged = [](const char* name, std::int64_t t, bool approx) {
+    RouteOptions o;
+    o.staged_approx = approx;
+    const std::string kernel = plan_of(preset_args(preset(name), t, DType::kFloat32, o), sy_test::plan_props(132)).name;
+    return kernel.find("route_staged_kernel") != std::string::npos;
+  };
+  // Sigmoid + bias without a group limit: from 16384 rows on the approximate selection, 32768 on the exact.
+  EXPECT_FALSE(staged("glm-4.5", 16383, true));
+  EXPECT_TRUE(staged("glm-4.5", 16384, true));
+  EXPECT_FALSE(staged("glm-4.5", 16384, false));
+  EXPECT_TRUE(staged("glm-4.5", 32768, false));
+  // With a group limit: from 32768 either way.
+  EXPECT_FALSE(staged("deepseek-v3", 16384, true));
+  EXPECT_TRUE(staged("deepseek-v3", 32768, true));
+  // 384 experts: only on the approximate selection, from 32768.
+  EXPECT_FALSE(staged("kimi-k2", 16384, true));
+  EXPECT_TRUE(staged("kimi-k2", 32768, true));
+  EXPECT_FALSE(staged("kimi-k2", 65536, false));
+}
+
 TEST(RoutePlan, OptionsChooseTheForm) {
   const auto p = preset("deepseek-v3");
   RouteOptions never;
@@ -123,6 +144,7 @@ TEST(RoutePlan, OptionsChooseTheForm) {
   EXPECT_NE(warp.find("route_kernel"), std::string::npos) << warp;
   RouteOptions always;
   always.staged = RouteOptions::Choice::kAlways;
+  always.staged_approx = false;
   const std::string staged = plan_of(preset_args(p, 1, DType::kFloat32, always), sy_test::plan_props(132)).name;
   EXPECT_NE(staged.find("route_staged_kernel"), std::string::npos) << staged;
   RouteOptions approx = always;

@@ -1273,6 +1273,8 @@ bool staged_sigmoid_sweep(const Kind* kinds, int n_kinds, bool approx_clusters, 
 // kStagedMinTokens rows.
 TEST(RoutingCuda, StagedRows) {
   SY_SKIP_WITHOUT_GPU();
+  // The exact selection throughout (StagedApproxRows: the approximate one, the default).
+  const ScopedValue<bool> exact(g_options.staged_approx, false);
   const Kind* kinds = kStagedKinds;
   constexpr int kNumKinds = kNumStagedKinds;
   const std::int64_t ts[] = {1, 31, 33, 200, 1001, 4099};

@@ -109,10 +109,10 @@ inline constexpr std::int64_t kSmallNarrowMaxTokens64 = 32767;
 inline constexpr std::int64_t kNarrowMinTokens128 = 32768;
 
 // One thread a row (route_rows.cuh) from these T for up to 8 / 16 experts (mixtral-8x7b
-// T = 65536: 2.65 us against 3.86; dbrx T = 16384: narrow 2.88 against 3.74;
-// docs/decisions/routing-row-forms.md).
+// T = 65536: 2.65 us against 3.86; dbrx T = 16384: narrow 2.88 against 3.74; H100, dbrx
+// T = 32768: 3.50 / 3.42 us fp32 / bf16 against narrow 3.98 / 4.06; docs/decisions/routing-row-forms.md).
 inline constexpr std::int64_t kRowsMinTokens8 = 128;
-inline constexpr std::int64_t kRowsMinTokens16 = 65536;
+inline constexpr std::int64_t kRowsMinTokens16 = 32768;
 
 // Streamed narrow segments for 129-192 experts (GLM-4.5's rule) from this T where the staged
 // kernels do not serve the row (docs/decisions/routing-wide-rows.md).
@@ -125,6 +125,13 @@ inline constexpr std::int64_t kStreamMinTokens = 32768;
 inline constexpr std::int64_t kStagedMinTokens = 32768;
 inline constexpr std::int64_t kStagedMinTokensBf16Logits = 16384;
 inline constexpr int kStagedAutoMaxExperts = 256;
+// With the approximate selection (RouteOptions::staged_approx, the default) sigmoid + bias rows
+// without a group limit take the staged kernels from 16384 rows (H100: glm-4.5 fp32 T = 16384
+// 13.6 us staged against 14.6; deepseek-v3, with groups, stays at 32768: 20.1 against 17.4), and rows
+// of up to 384 experts from 32768 (H100: kimi-k2 fp32 T = 32768 / 65536: 32.6 / 54.9 against
+// 33.6 / 60.3; docs/decisions/routing-staged-kernels.md).
+inline constexpr std::int64_t kStagedMinTokensApprox = 16384;
+inline constexpr int kStagedApproxMaxExperts = 384;
 
 // Wide rows (E > 512, no group limit) put keys other than bf16 / fp16 logits' on packed buffers
 // from this T (wide-2048 fp32 T = 1024: 19.3 us packed against 14.8 plain;

@@ -153,13 +153,21 @@ inline bool staged_fits(const RouteParams& p) {
 }
 
 // RouteOptions::staged: the staged kernels never, or wherever they fit (any T and E); the default:
-// as above. RouteOptions::staged_approx: staged sigmoid + bias rows select on approximate sigmoids
-// and certify (kApprox); otherwise (the default) on exact ones.
+// as above. RouteOptions::staged_approx (the default): staged sigmoid + bias rows select on
+// approximate sigmoids and certify (kApprox); otherwise on exact ones.
 using StagedChoice = KnobChoice;
 // The rows from which route() takes the staged kernels for p by default (p fits; see above), or -1.
-inline std::int64_t staged_min_tokens(const RouteParams& p) {
+// approx: sigmoid + bias rows on the approximate selection, which is cheaper per row and so pays
+// from fewer rows (route_plan.h: kStagedMinTokensApprox, kStagedApproxMaxExperts).
+inline std::int64_t staged_min_tokens(const RouteParams& p, bool approx) {
   StagedRule rule;
-  if (p.num_experts > kStagedAutoMaxExperts || !staged_rule_of(p, &rule)) return -1;
+  if (!staged_rule_of(p, &rule)) return -1;
+  if (rule == StagedRule::kSigmoidBias && approx) {
+    if (p.num_experts > kStagedApproxMaxExperts) return -1;
+    return p.group_path == kGroupNone && p.num_experts <= kStagedAutoMaxExperts ? kStagedMinTokensApprox
+                                                                                : kStagedMinTokens;
+  }
+  if (p.num_experts > kStagedAutoMaxExperts) return -1;
   if (rule == StagedRule::kSigmoidBias) return kStagedMinTokens;
   if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) return kStagedMinTokensBf16Logits;
   return rule == StagedRule::kSoftmaxPicks || p.top_k >= kStagedTopK ? kStagedMinTokens : -1;
@@ -170,7 +178,7 @@ inline bool use_staged(const RouteParams& p, const RouteChoice& choice) {
   if (choice.stream == StreamChoice::kAlways) return false;
   if (choice.staged == StagedChoice::kNever || !staged_fits(p)) return false;
   if (choice.staged == StagedChoice::kAlways) return true;
-  const std::int64_t min_tokens = staged_min_tokens(p);
+  const std::int64_t min_tokens = staged_min_tokens(p, choice.staged_approx);
   return min_tokens >= 0 && p.num_tokens >= min_tokens;
 }
 

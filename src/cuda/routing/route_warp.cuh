@@ -310,7 +310,7 @@ struct RouteChoice {
   bool narrow_packed = true;
   StreamChoice stream = StreamChoice::kAuto;
   KnobChoice staged = KnobChoice::kAuto;  // route_staged.cuh
-  bool staged_approx = false;
+  bool staged_approx = true;
   bool wide_packed_always = false;  // wide_packed_buffers
 };
 inline RouteChoice route_choice(const RouteOptions& o) {

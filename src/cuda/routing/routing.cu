@@ -2,8 +2,8 @@
 // the per-row algorithm live in route_warp.cuh (shared with fused kernels); the whole-warp and
 // narrow-segment kernels in route_shape_launch.cuh, compiled per unit of row shapes in
 // routing_shapes_<unit>.cu (route_shapes.h); this file holds the streamed-segment, one-row-a-thread
-// and staged kernels and route(), which picks the form. Compiled with -fmad=false (see
-// src/CMakeLists.txt).
+// and staged kernels, plan_route (route_plan.h), which picks the kernel and its launch shape, and
+// route(), which launches the plan. Compiled with -fmad=false (see src/CMakeLists.txt).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -159,7 +159,7 @@ Status plan_staged_kernel(std::int64_t blocks, RoutePlan* plan) {
 }
 
 // The staged kernel for p (routing::staged_fits); approx: sigmoid + bias rows select on approximate
-// sigmoids (routing::staged_approx_knob).
+// sigmoids (RouteOptions::staged_approx).
 Status plan_route_staged(const RouteParams& p, bool approx, RoutePlan* plan) {
   using routing::StagedRule;
   const std::int64_t rows_per_block = 32 * routing::kStagedWarps;

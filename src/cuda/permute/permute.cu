@@ -12,6 +12,7 @@
 #include "cuda/backend.h"
 #include "cuda/permute/permute_internal.h"
 #include "cuda/permute/permute_kernels.cuh"
+#include "cuda/permute/permute_plan.h"
 
 namespace switchyard::cuda {
 
@@ -61,44 +62,15 @@ Status max_resident_blocks(const char* op, const void* kernel, std::int64_t* blo
 template <typename Params>
 Status launch(const char* op, void (*kernel)(Params), std::int64_t max_blocks, std::int64_t work_items,
               const Params& params, Stream stream) {
-  const std::int64_t wanted = (work_items + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const unsigned grid = static_cast<unsigned>(std::max<std::int64_t>(1, std::min(wanted, max_blocks)));
+  const unsigned grid = static_cast<unsigned>(permute::grid_blocks(work_items, kWarpsPerBlock, max_blocks));
   const Status status =
       launch_kernel(op, kernel, dim3(grid), dim3(kBlockThreads), 0, stream, /*pdl=*/true, params);
   if (!status.ok()) cudaGetLastError();  // the status carries it; do not leave it for a later check
   return status;
 }
 
-// Splits a row of `row_vecs` vectors into work items of at most `max_steps` steps of `step`
-// vectors, as evenly as the step allows.
-struct Chunking {
-  std::int64_t chunk_vecs = 0;
-  std::int64_t chunks = 1;
-};
-Chunking chunk_row(std::int64_t row_vecs, std::int64_t step, std::int64_t max_steps) {
-  Chunking c;
-  const std::int64_t max_vecs = step * max_steps;
-  c.chunks = std::max<std::int64_t>(1, (row_vecs + max_vecs - 1) / max_vecs);
-  const std::int64_t per_chunk = (row_vecs + c.chunks - 1) / c.chunks;
-  c.chunk_vecs = std::max<std::int64_t>(step, (per_chunk + step - 1) / step * step);
-  return c;
-}
-
-// Items per resident warp below which the grid-stride loop's last round leaves too many warps
-// idle (the tail is at most 1 / items of the time): then items are made smaller.
-constexpr std::int64_t kBalancedItemsPerWarp = 16;
-
-// The largest chunks (up to `max_steps` steps) that still give every resident warp
-// kBalancedItemsPerWarp items over `rows` rows, or single-step chunks. Small calls thereby
-// also spread each row over more warps, which is what bounds their latency.
-Chunking balanced_chunks(std::int64_t row_vecs, std::int64_t step, std::int64_t max_steps, std::int64_t rows,
-                         std::int64_t max_blocks) {
-  const std::int64_t warps = max_blocks * kWarpsPerBlock;
-  for (std::int64_t s = max_steps;; s /= 2) {
-    const Chunking c = chunk_row(row_vecs, step, s);
-    if (s <= 1 || rows * c.chunks >= kBalancedItemsPerWarp * warps) return c;
-  }
-}
+using permute::balanced_chunks;
+using permute::Chunking;
 
 bool aligned(const void* p, std::int64_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
@@ -146,7 +118,7 @@ Status launch_gather_rows(const detail::GatherArgs& a, Stream stream) {
   std::int64_t max_blocks = 0;
   SY_RETURN_IF_ERROR(max_resident_blocks("gather", reinterpret_cast<const void*>(kernel), &max_blocks));
   const Chunking c =
-      balanced_chunks(p.row_vecs, kWarpSize, permute::kGatherVecsPerLane, a.capacity_rows, max_blocks);
+      balanced_chunks(p.row_vecs, kWarpSize, permute::kGatherVecsPerLane, a.capacity_rows, max_blocks * kWarpsPerBlock);
   p.chunk_vecs = c.chunk_vecs;
   p.chunks_per_row = c.chunks;
   return launch("gather", kernel, max_blocks, a.capacity_rows * c.chunks, p, stream);
@@ -169,11 +141,7 @@ Status launch_gather_tokens(const detail::GatherArgs& a, const std::int32_t* exp
   SY_RETURN_IF_ERROR(max_resident_blocks("gather", reinterpret_cast<const void*>(kernel), kTokenBlockThreads,
                                          &resident_blocks));
   const std::int64_t warp_slots = resident_blocks * kTokenWarpsPerBlock;
-  Chunking c;
-  for (std::int64_t s = permute::kGatherVecsPerLane;; s /= 2) {
-    c = chunk_row(p.row_vecs, kWarpSize, s);
-    if (s <= 1 || a.num_tokens * c.chunks >= warp_slots) break;
-  }
+  const Chunking c = permute::slot_chunks(p.row_vecs, kWarpSize, permute::kGatherVecsPerLane, a.num_tokens, warp_slots);
   if (c.chunks > 65535) return Status::Unsupported("gather: rows of more than 65535 x 256 vectors");
   p.chunk_vecs = c.chunk_vecs;
   p.chunks_per_row = c.chunks;
@@ -232,7 +200,7 @@ Status launch_combine(const detail::CombineArgs& a, Stream stream) {
   SY_RETURN_IF_ERROR(max_resident_blocks("combine", reinterpret_cast<const void*>(kernel), &max_blocks));
   // Up to 4 steps per item, so that the picks' rows and weights load once per 4 steps.
   const Chunking c =
-      balanced_chunks(p.row_vecs, static_cast<std::int64_t>(kUV) * kWarpSize, 4, a.num_tokens, max_blocks);
+      balanced_chunks(p.row_vecs, static_cast<std::int64_t>(kUV) * kWarpSize, 4, a.num_tokens, max_blocks * kWarpsPerBlock);
   p.chunk_vecs = c.chunk_vecs;
   p.chunks_per_row = c.chunks;
   return launch("combine", kernel, max_blocks, a.num_tokens * c.chunks, p, stream);

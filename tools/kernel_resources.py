@@ -103,7 +103,7 @@ def nvcc_version(build_dir):
 
 
 ROUTING_OBJECT = re.compile(r"routing(_shapes_\d+)?\.cu\.o$")
-ENUM_HEADERS = ("include/switchyard/*.h", "src/cuda/routing/*.cuh")
+ENUM_HEADERS = ("include/switchyard/*.h", "src/cuda/routing/*.h", "src/cuda/routing/*.cuh")
 
 
 def enum_values(root):

@@ -30,24 +30,7 @@
 
 namespace switchyard::cuda::routing {
 
-inline constexpr int kRowsMaxExperts = 16;
-inline constexpr int kRowsMaxTopK = 8;
-
-// From kRowsMinTokens8 / 16 rows (route_plan.h) route_rows serves rows of up to 8 / 16 experts; at
-// E = 32 / 64 it was slower at every T, so it stops at 16.
-
-// Whether route_rows can serve p (E, K and the group limit).
-inline bool rows_kernel_fits(const RouteParams& p) {
-  return p.num_experts <= kRowsMaxExperts && p.top_k <= kRowsMaxTopK && p.group_path == kGroupNone;
-}
-
-// Whether the launcher takes route_rows for p: where it fits, from kRowsMinTokens8 / 16 rows on, or at
-// every T with RouteOptions::small_row_form = kRows (and never with kWarp, kNarrow or kNarrow2).
-inline bool use_rows_kernel(const RouteParams& p, SmallRowForm form) {
-  if (!rows_kernel_fits(p)) return false;
-  const std::int64_t min_tokens = p.num_experts <= 8 ? kRowsMinTokens8 : kRowsMinTokens16;
-  return form == SmallRowForm::kRows || (form == SmallRowForm::kAuto && p.num_tokens >= min_tokens);
-}
+// kRowsMaxExperts, kRowsMaxTopK and the launcher's choice (use_rows_kernel): route_plan.h.
 
 __device__ __forceinline__ unsigned pack_bits(int x) { return static_cast<unsigned>(x); }
 __device__ __forceinline__ unsigned pack_bits(float x) { return __float_as_uint(x); }

@@ -3,9 +3,10 @@
 //   layout from ids: E=256 K=8 and E=512 K=10, tile 128, uniform ids (and one Zipf set);
 //   route + layout:  deepseek-v3 and qwen3-next-80b presets, tile 128.
 // Prints a markdown table and writes JSON (argv[1], default bench_layout.json).
-//   bench_layout [out.json] [--independent-blocks]
+//   bench_layout [out.json] [--independent-blocks] [--path=NAME]
 // --independent-blocks sets LayoutConfig::independent_blocks in every call (the forms whose blocks
-// never wait for each other).
+// never wait for each other); --path forces LayoutOptions::path where it fits (same-process
+// comparisons of the paths).
 #include <cuda_runtime.h>
 #include <switchyard/switchyard.h>
 
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/git_commit.h"
@@ -135,6 +137,24 @@ struct DeviceLayout {
 int input_sets(double bytes_per_set) { return bytes_per_set * 4 <= 40e6 ? 4 : 1; }
 
 bool g_independent_blocks = false;  // --independent-blocks
+switchyard::LayoutOptions g_options;  // --path=...
+std::string g_path_name = "auto";
+
+// --path=NAME: LayoutOptions::Path by name, or false for an unknown name.
+bool parse_path(const std::string& name, switchyard::LayoutOptions::Path* path) {
+  using P = switchyard::LayoutOptions::Path;
+  const std::pair<const char*, P> names[] = {{"auto", P::kAuto},         {"one-block", P::kOneBlock},
+                                             {"cluster8", P::kCluster8}, {"cluster16", P::kCluster16},
+                                             {"grid32", P::kGrid32},     {"grid64", P::kGrid64},
+                                             {"grid128", P::kGrid128},   {"chunked", P::kChunked}};
+  for (const auto& [n, p] : names) {
+    if (name == n) {
+      *path = p;
+      return true;
+    }
+  }
+  return false;
+}
 
 Point bench_layout_from_ids(int E, int K, int M, std::int64_t T, bool zipf, double bandwidth,
                             std::mt19937_64& g) {
@@ -166,7 +186,7 @@ Point bench_layout_from_ids(int E, int K, int M, std::int64_t T, bool zipf, doub
   const Layout views = out.views();
   pt.timing = sy_bench::time_in_graph([&](cudaStream_t stream, int i) {
     const TensorView v = TensorView::of(ids[i % sets]->p, DType::kInt32, {T, K}, Device::cuda());
-    return layout(config, v, views, ws.p, ws_bytes, stream).ok();
+    return layout(config, v, views, ws.p, ws_bytes, stream, g_options).ok();
   });
   for (DevBuf* b : ids) delete b;
   pt.bytes = static_cast<double>(ids_bytes) + out.write_bytes();
@@ -220,7 +240,8 @@ Point bench_route_and_layout(const ModelPreset& preset, int M, std::int64_t T, d
     const TensorView lv = TensorView::of(logits[i % sets]->p, DType::kFloat32, {T, E}, Device::cuda());
     const TensorView iv = TensorView::of(ids.p, DType::kInt32, {T, K}, Device::cuda());
     const TensorView wv = TensorView::of(weights.p, DType::kFloat32, {T, K}, Device::cuda());
-    return route_and_layout(preset.routing, lv, bias_view, iv, wv, config, views, ws.p, ws_bytes, stream)
+    return route_and_layout(preset.routing, lv, bias_view, iv, wv, config, views, ws.p, ws_bytes, stream,
+                            switchyard::RouteOptions(), g_options)
         .ok();
   });
   for (DevBuf* b : logits) delete b;
@@ -237,10 +258,14 @@ int main(int argc, char** argv) {
     const std::string arg = argv[a];
     if (arg == "--independent-blocks") {
       g_independent_blocks = true;
+    } else if (arg.rfind("--path=", 0) == 0 && parse_path(arg.substr(7), &g_options.path)) {
+      g_path_name = arg.substr(7);
     } else if (!arg.empty() && arg[0] != '-') {
       out_path = arg;
     } else {
-      std::fprintf(stderr, "usage: bench_layout [out.json] [--independent-blocks]\n");
+      std::fprintf(stderr,
+                   "usage: bench_layout [out.json] [--independent-blocks] "
+                   "[--path=auto|one-block|cluster8|cluster16|grid32|grid64|grid128|chunked]\n");
       return 2;
     }
   }
@@ -314,7 +339,9 @@ int main(int argc, char** argv) {
   root.str("commit", SY_GIT_COMMIT).num("copy_bandwidth_bytes_per_s", bandwidth);
   root.str("method", "20 calls per CUDA graph, 200 replays, median per call (docs/benchmarking.md)");
   root.boolean("independent_blocks", g_independent_blocks);
-  root.str("repro", "bench_layout " + out_path + (g_independent_blocks ? " --independent-blocks" : ""));
+  root.str("path", g_path_name);
+  root.str("repro", "bench_layout " + out_path + (g_independent_blocks ? " --independent-blocks" : "") +
+                        (g_path_name == "auto" ? "" : " --path=" + g_path_name));
   root.raw("points", sy_bench::json_array(items));
   FILE* f = std::fopen(out_path.c_str(), "w");
   if (f == nullptr) {

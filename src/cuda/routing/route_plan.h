@@ -610,11 +610,17 @@ inline std::int64_t staged_min_tokens(const RouteParams& p, bool approx) {
   if (p.logits_dtype == static_cast<int>(DType::kBFloat16)) return kStagedMinTokensBf16Logits;
   return rule == StagedRule::kSoftmaxPicks || p.top_k >= kStagedTopK ? kStagedMinTokens : -1;
 }
-// Whether route() takes the staged kernels for p: before the streamed narrow segments (which they
-// beat where both fit, see above), unless RouteOptions::streamed = kAlways forces those.
-inline bool use_staged(const RouteParams& p, const RouteChoice& choice) {
+// Whether route() takes the staged kernels for p on a device with `props`: before the streamed
+// narrow segments (which they beat where both fit, see above), unless RouteOptions::streamed =
+// kAlways forces those; only where the device grants their shared memory (past the 48 KB default:
+// every sm_90 device does).
+inline bool use_staged(const RouteParams& p, const RouteChoice& choice, const DeviceProps& props) {
   if (choice.stream == StreamChoice::kAlways) return false;
   if (choice.staged == StagedChoice::kNever || !staged_fits(p)) return false;
+  const std::size_t smem = p.logits_dtype == static_cast<int>(DType::kFloat32)
+                               ? StagedLayout<DType::kFloat32>::kBlockBytes
+                               : StagedLayout<DType::kBFloat16>::kBlockBytes;
+  if (props.smem_per_block_optin < smem) return false;
   if (choice.staged == StagedChoice::kAlways) return true;
   const std::int64_t min_tokens = staged_min_tokens(p, choice.staged_approx);
   return min_tokens >= 0 && p.num_tokens >= min_tokens;

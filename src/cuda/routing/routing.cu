@@ -198,10 +198,7 @@ Status plan_route(const detail::RouteArgs& args, const DeviceProps& props, Route
   const RouteParams& p = plan->params;
   const RouteChoice choice = route_choice(args.options);
   if (use_rows_kernel(p, choice.form)) return plan_route_rows_for(p, props, plan);
-  // The staged kernels' shared memory needs the opt-in past 48 KB, which every sm_90 device grants.
-  const bool staged_smem = props.smem_per_block_optin >= StagedLayout<DType::kFloat32>::kBlockBytes &&
-                           props.smem_per_block_optin >= StagedLayout<DType::kBFloat16>::kBlockBytes;
-  if (staged_smem && use_staged(p, choice)) return plan_route_staged(p, choice.staged_approx, plan);
+  if (use_staged(p, choice, props)) return plan_route_staged(p, choice.staged_approx, plan);
   if (use_stream(p, choice)) {
     Status status;
     if (plan_route_stream(p, choice, props, plan, &status)) return status;

@@ -19,8 +19,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/gpu_timing.h"
@@ -168,17 +170,18 @@ int main(int argc, char** argv) {
                                                  : switchyard::RouteOptions::Choice::kAuto;
     } else if (arg.rfind("--form=", 0) == 0) {
       using Form = switchyard::RouteOptions::SmallRowForm;
-      const std::string f = arg.substr(7);
-      if (f != "auto" && f != "warp" && f != "narrow" && f != "narrow2" && f != "rows") {
-        std::fprintf(stderr, "bench_routing: unknown form %s (expected auto, warp, narrow, narrow2, rows)\n", f.c_str());
+      const std::pair<const char*, Form> forms[] = {{"auto", Form::kAuto},       {"warp", Form::kWarp},
+                                                    {"narrow", Form::kNarrow},   {"narrow2", Form::kNarrow2},
+                                                    {"rows", Form::kRows}};
+      form_name = arg.substr(7);
+      const auto* found = std::find_if(std::begin(forms), std::end(forms),
+                                       [&](const auto& f) { return form_name == f.first; });
+      if (found == std::end(forms)) {
+        std::fprintf(stderr, "bench_routing: unknown form %s (expected auto, warp, narrow, narrow2, rows)\n",
+                     form_name.c_str());
         return 2;
       }
-      options.small_row_form = f == "warp"      ? Form::kWarp
-                               : f == "narrow"  ? Form::kNarrow
-                               : f == "narrow2" ? Form::kNarrow2
-                               : f == "rows"    ? Form::kRows
-                                                : Form::kAuto;
-      form_name = f;
+      options.small_row_form = found->second;
     } else if (arg.rfind("--", 0) == 0) {
       std::fprintf(stderr,
                    "bench_routing: unknown option %s (expected --staged=auto|never|always, --staged-approx=on|off, "
